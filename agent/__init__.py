@@ -1,0 +1,23 @@
+"""lossguard training agent: runs or instruments a PyTorch training loop and exposes what it sees.
+
+Importing this package does not import torch; ``Guard`` and the trainer load it when used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+__all__ = ["Guard", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Guard":
+        from .guard import Guard
+
+        return Guard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,109 @@
+"""``lossguard-agent``: run a training job or benchmark one."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from .config import Config, ConfigError, load_config
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lossguard-agent", description="Train a GPT under lossguard, or benchmark it."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("config", help="YAML config file")
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, e.g. --set train.lr=3e-4 (repeatable)",
+        )
+
+    run = sub.add_parser("run", help="train from a config")
+    add_config_args(run)
+    run.add_argument("--no-progress", action="store_true", help="no progress display")
+
+    bench = sub.add_parser("bench", help="measure tokens/s and step time")
+    add_config_args(bench)
+    bench.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    bench.add_argument(
+        "--precision",
+        default=None,
+        help="comma-separated precisions to compare, e.g. bf16,fp8 (default: the config's)",
+    )
+    return parser
+
+
+def _precisions(arg: str | None, cfg: Config) -> list[str]:
+    if arg is None:
+        return [cfg.precision.dtype]
+    chosen = [p.strip() for p in arg.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in PRECISIONS]
+    if unknown or not chosen:
+        raise ConfigError(f"--precision: must be a list of {', '.join(PRECISIONS)}")
+    return chosen
+
+
+def _run(args: argparse.Namespace, cfg: Config) -> int:
+    from .trainer import Trainer
+
+    trainer = Trainer(cfg, progress=not args.no_progress)
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    if trainer.dist.is_main:
+        logging.getLogger("lossguard.agent").info(
+            "done: %d steps (%s); run directory %s",
+            result.steps,
+            result.stop_reason,
+            result.run_dir,
+        )
+    return EXIT_OK
+
+
+def _bench(args: argparse.Namespace, cfg: Config) -> int:
+    from .bench import print_results, run_benchmark
+
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    precisions = _precisions(args.precision, cfg)
+    results = run_benchmark(cfg, precisions, args.steps, args.warmup)
+    print_results(results, args.steps)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .progress import setup_logging
+
+    setup_logging()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        handler = _run if args.command == "run" else _bench
+        return handler(args, cfg)
+    except ConfigError as exc:
+        print(f"lossguard-agent: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("lossguard-agent: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

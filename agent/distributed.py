@@ -1,0 +1,84 @@
+"""torchrun integration: process group, device placement and small collectives."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    """auto = the local rank's GPU when CUDA is available, else the CPU."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device: cuda requested but no CUDA device is available")
+    if preference == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def setup_distributed(device_preference: str) -> DistInfo:
+    """Join the torchrun process group (gloo on CPU, nccl on GPU) when WORLD_SIZE > 1."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_preference, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistInfo(rank, world_size, local_rank, device)
+
+
+def teardown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_from_main(value: T) -> T:
+    """Rank 0's value on every rank."""
+    if not dist.is_initialized():
+        return value
+    box: list[T | None] = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 outside torchrun)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (gloo has no AVG) and return it."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor

@@ -1,0 +1,237 @@
+"""The built-in trainer: a GPT from a Config, trained through the public Guard API."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import Config, ConfigError
+from .data import Batch, BatchSampler, load_data
+from .distributed import (
+    all_reduce_sum,
+    barrier,
+    broadcast_from_main,
+    setup_distributed,
+    teardown_distributed,
+)
+from .guard import Guard
+from .model import GPT
+from .optim import build_ema, build_optimizer, build_scheduler
+from .precision import autocast, convert_to_fp8, make_grad_scaler
+
+log = logging.getLogger("lossguard.agent")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + os.urandom(2).hex()
+
+
+class EarlyStopping:
+    """Stops when validation loss has not improved for ``patience`` evaluations after warmup."""
+
+    def __init__(self, patience: int, min_delta: float, warmup_steps: int) -> None:
+        self.patience = patience
+        self.min_delta = min_delta
+        self.warmup_steps = warmup_steps
+        self.best = math.inf
+        self.bad_evals = 0
+
+    def should_stop(self, step: int, val_loss: float) -> bool:
+        if val_loss < self.best - self.min_delta:
+            self.best = val_loss
+            self.bad_evals = 0
+            return False
+        if step <= self.warmup_steps:
+            return False
+        self.bad_evals += 1
+        return self.bad_evals >= self.patience
+
+
+@dataclass(frozen=True)
+class FitResult:
+    steps: int
+    stop_reason: str
+    run_dir: Path
+    best_val_loss: float | None
+
+
+class Trainer:
+    """Builds data, model, precision and optimiser from a Config and trains with Guard."""
+
+    def __init__(self, cfg: Config, *, progress: bool = True) -> None:
+        self.dist = setup_distributed(cfg.run.device)
+        self.device = self.dist.device
+        cfg = cfg.model_copy(deep=True)
+        cfg.run.id = broadcast_from_main(cfg.run.id or new_run_id())
+        self.cfg = cfg
+        self.run_path = cfg.run.dir / str(cfg.run.id)
+        if (self.run_path / "config.yaml").exists():
+            raise ConfigError(f"run.id: run directory {self.run_path} already exists")
+        seed_everything(cfg.run.seed)
+
+        cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"
+        if self.dist.is_main:  # rank 0 tokenises and caches; the others then read the cache
+            self.data = load_data(cfg.data, cache_dir, cfg.model.vocab_size)
+        barrier()
+        if not self.dist.is_main:
+            self.data = load_data(cfg.data, cache_dir, cfg.model.vocab_size)
+        self.sampler = BatchSampler(
+            self.data,
+            block_size=cfg.model.block_size,
+            batch_size=cfg.train.batch_size,
+            grad_accum=cfg.train.grad_accum,
+            seed=cfg.run.seed,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
+
+        self.raw_model = GPT(cfg.model, self.data.vocab_size)
+        self.fp8_layers = 0
+        if cfg.precision.dtype == "fp8":
+            self.fp8_layers = convert_to_fp8(self.raw_model, cfg.precision, self.device)
+        self.raw_model.to(self.device)
+        torch.manual_seed(cfg.run.seed + self.dist.rank)  # dropout differs across ranks
+        self.ema = build_ema(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.optimizer = build_optimizer(self.raw_model, cfg.train, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.scaler = make_grad_scaler(cfg.precision.dtype, self.device)
+        model: nn.Module = self.raw_model
+        if cfg.model.compile:
+            model = torch.compile(model)  # type: ignore[assignment]
+        if self.dist.enabled:
+            ids = [self.dist.local_rank] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=ids)
+        self.model = model
+        self.early_stopping = (
+            EarlyStopping(
+                cfg.train.early_stopping.patience,
+                cfg.train.early_stopping.min_delta,
+                cfg.train.warmup_steps,
+            )
+            if cfg.train.early_stopping
+            else None
+        )
+        self.guard = Guard(
+            self.run_path,
+            model=self.raw_model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data=self.sampler,
+            scaler=self.scaler,
+            ema=self.ema,
+            config=cfg,
+            progress=progress,
+        )
+        if self.dist.is_main:
+            log.info(
+                "run %s: %s; model %.2fM params (%d fp8 layers); %s on %s x%d; %d tokens/step",
+                cfg.run.id,
+                self.data.description,
+                self.raw_model.num_params() / 1e6,
+                self.fp8_layers,
+                cfg.precision.dtype,
+                self.device,
+                self.dist.world_size,
+                self.sampler.tokens_per_step * self.dist.world_size,
+            )
+
+    def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = (torch.from_numpy(a) for a in batch)
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
+                self.device, non_blocking=True
+            )
+        return x, y
+
+    def _micro_step_context(self, micro: int) -> contextlib.AbstractContextManager[None]:
+        """Skip DDP's gradient all-reduce on all but the last micro-batch."""
+        last = micro == self.cfg.train.grad_accum - 1
+        if isinstance(self.model, DistributedDataParallel) and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def train_step(self) -> None:
+        """One optimizer step over ``grad_accum`` micro-batches."""
+        accum = self.cfg.train.grad_accum
+        step_loss = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(self.sampler.next_step()):
+            x, y = self._to_device(batch)
+            with self._micro_step_context(micro):
+                with autocast(self.cfg.precision.dtype, self.device):
+                    _, loss = self.model(x, y)
+                loss = loss / accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            step_loss += loss.detach()
+        self.guard.after_backward(step_loss, tokens=self.sampler.tokens_per_step)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update_parameters(self.raw_model)
+        self.guard.end_step()
+
+    @torch.no_grad()
+    def _val_loss(self, model: nn.Module) -> float:
+        model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for batch in self.sampler.val_batches(self.cfg.train.eval_batches):
+            x, y = self._to_device(batch)
+            with autocast(self.cfg.precision.dtype, self.device):
+                _, loss = model(x, y)
+            total += loss.double()
+        model.train()
+        count = self.cfg.train.eval_batches * self.dist.world_size
+        return float(all_reduce_sum(total).item()) / count
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss over a fixed set of batches (and of the EMA weights, if kept)."""
+        result = {"val_loss": self._val_loss(self.raw_model)}
+        if self.ema is not None:
+            result["val_loss_ema"] = self._val_loss(self.ema.module)
+        return result
+
+    def fit(self) -> FitResult:
+        """Train to ``train.max_steps`` or until early stopping; evaluates at step 0 too."""
+        train = self.cfg.train
+        stop_reason = "max_steps"
+        best = math.inf
+        while True:
+            step = self.guard.step
+            if step % train.eval_every == 0 or step == train.max_steps:
+                metrics = self.evaluate()
+                val_loss = metrics.pop("val_loss")
+                best = min(best, val_loss)
+                self.guard.record_eval(val_loss, **metrics)
+                if self.early_stopping and self.early_stopping.should_stop(step, val_loss):
+                    stop_reason = "early_stopping"
+                    log.info("early stopping at step %d: best val_loss %.4f", step, best)
+                    break
+            if step >= train.max_steps:
+                break
+            self.train_step()
+        return FitResult(self.guard.step, stop_reason, self.run_path, best)
+
+    def close(self) -> None:
+        self.guard.close()
+        teardown_distributed()

@@ -1,0 +1,123 @@
+"""Configuration: validation errors name the key path and reason; --set; the CLI exits 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lossguard.agent.config import Config, ConfigError, load_config, parse_config
+
+from .conftest import REPO, run_cli
+
+
+def test_shipped_configs_are_valid() -> None:
+    demo = load_config(REPO / "configs/demo.yaml")
+    assert demo.precision.dtype == "fp32" and demo.data.kind == "text"
+    gpt2 = load_config(REPO / "configs/gpt2-124m.yaml", ["data.kind=synthetic", "data.path=null"])
+    assert (gpt2.model.n_layer, gpt2.model.n_embd, gpt2.model.block_size) == (12, 768, 1024)
+
+
+def test_shipped_gpt2_config_names_its_missing_data() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^data\.path: no such file: data/openwebtext/train\.bin"
+    ):
+        load_config(REPO / "configs/gpt2-124m.yaml")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"train": {"lr": 0}}, "train.lr: must be > 0"),
+        ({"train": {"lr": -1e-3}}, "train.lr: must be > 0"),
+        ({"train": {"lrr": 1.0}}, "train.lrr: unknown key"),
+        ({"bogus": {}}, "bogus: unknown key"),
+        ({"train": {"max_steps": "many"}}, "train.max_steps: must be an integer"),
+        ({"train": {"batch_size": 0}}, "train.batch_size: must be >= 1"),
+        ({"train": {"schedule": "step"}}, "train.schedule: must be one of 'cosine', 'linear'"),
+        ({"precision": {"dtype": "fp4"}}, "precision.dtype: must be one of 'fp32'"),
+        ({"model": {"n_embd": 100, "n_head": 3}}, "model.n_embd: must be divisible by n_head"),
+        ({"model": {"dropout": 1.5}}, "model.dropout: must be < 1"),
+        ({"data": {"path": "/no/such/corpus"}}, "data.path: no such file or directory"),
+        ({"data": {"kind": "tokens"}}, "data.path: required when kind is 'tokens'"),
+        ({"run": {"id": "../escape"}}, "run.id: may hold only letters"),
+        ({"train": {"early_stopping": {}}}, "train.early_stopping.patience: required key"),
+        ({"train": 3}, "train: must be a mapping of keys"),
+    ],
+)
+def test_bad_values_name_key_and_reason(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_overrides_set_nested_keys_as_yaml_scalars() -> None:
+    cfg = parse_config(
+        {"train": {"lr": 1.0}},
+        ["train.lr=3e-4", "model.compile=true", "train.early_stopping.patience=3", "run.id=x"],
+    )
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.model.compile is True
+    assert cfg.train.early_stopping is not None and cfg.train.early_stopping.patience == 3
+    assert cfg.run.id == "x"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lr", "--set train.lr: expected KEY=VALUE"),
+        ("train.lr.x=1", "--set train.lr.x=1: train.lr is not a section"),
+        ("train.nope=1", "train.nope: unknown key"),
+        ("train.lr=[1", "--set train.lr=[1: value is not valid YAML"),
+    ],
+)
+def test_bad_overrides(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"train": {"lr": 1.0}}, [override])
+    assert str(info.value).startswith(message)
+
+
+def test_resolved_config_round_trips() -> None:
+    cfg = parse_config({"train": {"max_steps": 7}, "run": {"id": "r"}})
+    again = Config.model_validate(yaml.safe_load(yaml.safe_dump(cfg.resolved())))
+    assert again == cfg and again.digest() == cfg.digest()
+
+
+@pytest.mark.parametrize(
+    ("content", "args", "message"),
+    [
+        ("train:\n  lr: 0\n", [], "train.lr: must be > 0"),
+        ("train:\n  lr: 0.1\n  typo: 1\n", [], "train.typo: unknown key"),
+        ("train:\n  max_steps: [1]\n", [], "train.max_steps: must be an integer"),
+        ("train: {lr: 0.1\n", [], "invalid YAML"),
+        ("- a\n- b\n", [], "the top level must be a mapping"),
+        ("data:\n  path: /missing/corpus\n", [], "data.path: no such file or directory"),
+        ("{}\n", ["--set", "precision.dtype=int3"], "precision.dtype: must be one of"),
+        (None, [], "no such config file"),
+    ],
+)
+def test_cli_bad_config_is_one_line_and_exit_2(
+    tmp_path: Path, content: str | None, args: list[str], message: str
+) -> None:
+    path = tmp_path / "cfg.yaml"
+    if content is not None:
+        path.write_text(content)
+    result = run_cli("run", str(path), *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("lossguard-agent: error: ") and message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_torch_free_modules_do_not_import_torch() -> None:
+    code = (
+        "import sys, lossguard.agent, lossguard.agent.config, lossguard.agent.data, "
+        "lossguard.agent.cli, lossguard.monitor\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

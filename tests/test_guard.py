@@ -1,0 +1,104 @@
+"""Guard in a user's own training loop: accounting, gradient norm, metrics log, no per-step sync."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lossguard.agent import Guard
+from lossguard.agent.config import parse_config
+
+
+def grad_norm(model: nn.Module) -> torch.Tensor:
+    """The global L2 norm of the gradients, computed independently of Guard."""
+    squares = [g.pow(2).sum() for p in model.parameters() if (g := p.grad) is not None]
+    return torch.stack(squares).sum().sqrt()
+
+
+def user_loop(run_dir: Path, steps: int, **train: object) -> tuple[Guard, list[float]]:
+    """A plain regression loop instrumented the way DESIGN.md shows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cfg = parse_config({"train": {"max_steps": steps, **train}})
+    guard = Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False)
+    norms: list[float] = []
+    x = torch.randn(64, 8)
+    y = x.sum(dim=1, keepdim=True)
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        expected = grad_norm(model)
+        norm = guard.after_backward(loss, tokens=64)
+        norms.append(float(norm))
+        torch.testing.assert_close(norm, expected)
+        opt.step()
+        opt.zero_grad()
+        guard.end_step()
+    guard.close()
+    return guard, norms
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_user_loop_gets_accounting_and_a_metrics_log(tmp_path: Path) -> None:
+    guard, _ = user_loop(tmp_path / "run", steps=23, log_every=5, grad_clip=None)
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 23]
+    assert [r["tokens"] for r in records] == [320, 640, 960, 1280, 1472]
+    assert guard.step == 23 and guard.tokens_total == 1472
+    assert all(r["kind"] == "train" and r["tokens_per_second"] > 0 for r in records)
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert records[0]["lr"] == pytest.approx(0.05)
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    env = json.loads((tmp_path / "run" / "env.json").read_text())
+    assert env["packages"]["torch"] == metadata.version("torch")
+    assert env["device"]["type"] == "cpu" and env["world_size"] == 1
+
+
+def test_gradient_norm_is_taken_before_clipping(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    cfg = parse_config({"train": {"grad_clip": 0.01, "max_steps": 1}})
+    guard = Guard(tmp_path, model=model, config=cfg, progress=False)
+    (model(torch.randn(16, 4)) * 100).sum().backward()
+    before = grad_norm(model)
+    norm = guard.after_backward(torch.tensor(1.0), tokens=16)
+    after = grad_norm(model)
+    torch.testing.assert_close(norm, before)
+    assert after.item() == pytest.approx(0.01, rel=1e-3)
+
+
+def test_host_reads_happen_once_per_log_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hot path leaves values on the device: only the log interval reads them."""
+    reads: list[str] = []
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *a: object, _orig=original, _name=name) -> object:
+            reads.append(_name)
+            return _orig(self, *a)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = parse_config({"train": {"max_steps": 30, "log_every": 10}})
+    guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
+    x = torch.randn(8, 4)
+    for _ in range(30):
+        model(x).pow(2).mean().backward()
+        guard.after_backward(model(x).pow(2).mean(), tokens=8)
+        opt.step()
+        opt.zero_grad()
+        guard.end_step()
+    assert reads == ["tolist"] * 3
