@@ -35,10 +35,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
 
 
-class _PositionedData(Stateful, Protocol):
-    position: int
-
-
 def device_description(device: torch.device) -> dict[str, Any]:
     """What env.json records about the training device."""
     info: dict[str, Any] = {"type": device.type, "name": device.type}
@@ -116,10 +112,10 @@ class Guard:
         gradient norm. Returns the pre-clip norm as a device tensor; nothing is synced."""
         if self.scaler is not None and self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self._params if p.grad is not None]
         if self.grad_clip is not None:
             norm = nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=True)
         else:
+            grads = [p.grad for p in self._params if p.grad is not None]
             norm = nn.utils.get_total_norm(grads, foreach=True)
         norm = norm.detach().float()
         self._loss_sum += loss.detach().float()

@@ -111,7 +111,7 @@ class LiveProgress:
         self._progress.stop()
 
 
-_console = Console()
+_console = Console(log_path=False)
 
 
 def stdout_is_tty() -> bool:

@@ -155,9 +155,8 @@ class Trainer:
     def _to_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = (torch.from_numpy(a) for a in batch)
         if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
-                self.device, non_blocking=True
-            )
+            x = x.pin_memory().to(self.device, non_blocking=True)
+            y = y.pin_memory().to(self.device, non_blocking=True)
         return x, y
 
     def _micro_step_context(self, micro: int) -> contextlib.AbstractContextManager[None]:

@@ -82,6 +82,20 @@ def test_fp8_loss_stays_within_ten_percent_of_bf16(tiny_config) -> None:
     assert abs(final["fp8"] - final["bf16"]) / final["bf16"] < 0.10, final
 
 
+def test_compiled_model_trains_like_eager(tiny_config) -> None:
+    losses = {}
+    for compiled in (False, True):
+        cfg = tiny_config(
+            run={"id": f"compile-{compiled}"},
+            model={"n_layer": 1, "compile": compiled},
+            train={"max_steps": 6, "log_every": 2, "eval_every": 6},
+        )
+        result, trainer = fit(cfg)
+        assert (trainer.model is not trainer.raw_model) == compiled
+        losses[compiled] = [r["train_loss"] for r in records(result.run_dir, "train")]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
 def test_run_directory_holds_config_env_and_metrics(tiny_config) -> None:
     cfg = tiny_config(train={"max_steps": 12, "log_every": 4, "eval_every": 6, "grad_accum": 2})
     result, trainer = fit(cfg)
