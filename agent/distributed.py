@@ -52,7 +52,9 @@ def setup_distributed(device_preference: str) -> DistInfo:
 
 
 def teardown_distributed() -> None:
+    """Leave the process group together: a rank that destroys it early aborts under gloo."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
