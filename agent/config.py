@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -123,16 +124,51 @@ class PrecisionConfig(_Section):
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
 
 
+class CheckpointConfig(_Section):
+    every: int | None = Field(default=None, ge=1, description="Save every N steps; null: off.")
+    keep_last: int = Field(default=3, ge=1, description="Newest checkpoints kept.")
+    async_save: bool = Field(
+        default=True,
+        alias="async",
+        description="Copy state at the step boundary, write it in a background thread.",
+    )
+    save_on_exit: bool = Field(default=True, description="Save when training ends or stops.")
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class ControlConfig(_Section):
+    socket: bool = Field(default=True, description="Serve run_dir/control.sock (mode 0600).")
+    tcp: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:\d{1,5}$",
+        description="Also serve TCP on HOST:PORT; needs the token.",
+    )
+    token_env: str = Field(
+        default="LOSSGUARD_CONTROL_TOKEN",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable that holds the TCP bearer token.",
+    )
+
+    @model_validator(mode="after")
+    def _tcp_needs_token(self) -> ControlConfig:
+        if self.tcp is not None and not os.environ.get(self.token_env):
+            raise field_error("tcp", f"needs a token in the environment variable {self.token_env}")
+        return self
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
 
     def resolved(self) -> dict[str, Any]:
         """Plain data, as written to ``config.yaml`` in the run directory."""
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
 
     def digest(self) -> str:
         """Stable short hash of the resolved config."""
