@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .config import Config, ConfigError, load_config
+from .protocol import Target, parse_target
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -36,6 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train from a config")
     add_config_args(run)
     run.add_argument("--no-progress", action="store_true", help="no progress display")
+    run.add_argument(
+        "--resume",
+        metavar="TARGET",
+        help="continue run.id from a checkpoint: latest, best, last_good or a step number",
+    )
+    run.add_argument(
+        "--skip-batches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --resume: pass over the next N batches (e.g. ones that made the loss spike)",
+    )
 
     bench = sub.add_parser("bench", help="measure tokens/s and step time")
     add_config_args(bench)
@@ -59,10 +72,31 @@ def _precisions(arg: str | None, cfg: Config) -> list[str]:
     return chosen
 
 
+def _resume_target(args: argparse.Namespace) -> Target | None:
+    if args.skip_batches < 0:
+        raise ConfigError("--skip-batches: must be >= 0")
+    if args.resume is None:
+        if args.skip_batches:
+            raise ConfigError("--skip-batches: only with --resume")
+        return None
+    try:
+        return parse_target(args.resume)
+    except ValueError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+
+
 def _run(args: argparse.Namespace, cfg: Config) -> int:
+    from .guard import RestoreError
     from .trainer import Trainer
 
-    trainer = Trainer(cfg, progress=not args.no_progress)
+    resume = _resume_target(args)
+    try:
+        trainer = Trainer(
+            cfg, progress=not args.no_progress, resume=resume, skip_batches=args.skip_batches
+        )
+    except RestoreError as exc:
+        print(f"lossguard-agent: error: cannot resume: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         result = trainer.fit()
     finally:

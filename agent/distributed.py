@@ -84,3 +84,38 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """A CPU (gloo) group for control traffic, so commands never sync a GPU stream.
+    Collective: every rank calls it at the same point. None outside torchrun."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def all_gather_objects(value: T, group: dist.ProcessGroup | None) -> list[T]:
+    """Every rank's value, in rank order, on every rank."""
+    if group is None:
+        return [value]
+    gathered: list[T | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered  # type: ignore[return-value]
+
+
+def broadcast_objects(values: list[T], group: dist.ProcessGroup | None) -> list[T]:
+    """Rank 0's list on every rank (other ranks pass a placeholder of the same length)."""
+    if group is None:
+        return values
+    box = list(values)
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box
+
+
+def all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """Element-wise maximum over ranks of a few integers."""
+    if group is None:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in tensor.tolist()]

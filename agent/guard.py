@@ -6,33 +6,60 @@
         guard.after_backward(loss, tokens=n)   # grad norm (and clipping), on device
         opt.step(); sched.step()
         guard.end_step()                       # counters; every log interval: one host sync
+        guard.poll()                           # control commands, applied at this boundary
+        if guard.stop_requested: break
+    guard.finish()                             # final checkpoint; then guard.close()
 
-Per-step values stay on the device; they are read once per log interval.
+Per-step values stay on the device; they are read once per log interval. Checkpoints cover
+every registered state (``register``), the data position and all RNG states.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
+import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from .checkpoint import CheckpointMeta, CheckpointStore, snapshot
+from .commands import CommandRunner
 from .config import Config
-from .distributed import all_reduce_sum, rank_and_world
+from .control import ControlServer
+from .distributed import (
+    all_gather_objects,
+    all_reduce_sum,
+    broadcast_objects,
+    control_group,
+    rank_and_world,
+)
 from .progress import ProgressDisplay, make_progress
-from .rundir import RunDirectory
+from .protocol import SOCKET_NAME, Target
+from .rng import capture_rng, restore_rng
+from .rundir import RunDirectory, package_versions
 
 log = logging.getLogger("lossguard.agent")
+
+CHECKPOINT_FORMAT = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+class RestoreError(RuntimeError):
+    """A checkpoint could not be restored; the message names it and why."""
 
 
 def device_description(device: torch.device) -> dict[str, Any]:
@@ -51,8 +78,17 @@ def device_description(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def weights_digest(model: nn.Module) -> str:
+    """sha256 of the model's tensors: equal on every rank that holds the same weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class Guard:
-    """Step and token accounting, gradient norm, metrics log and progress for a training loop."""
+    """Accounting, gradient norm, metrics, checkpoints and control for a training loop."""
 
     def __init__(
         self,
@@ -74,6 +110,7 @@ class Guard:
         self.grad_clip = train.grad_clip
         self.model = model
         self.optimizer = optimizer
+        self.scheduler = scheduler
         self.scaler = scaler
         self.state: dict[str, Stateful] = {"model": model}
         extra = {"optimizer": optimizer, "scheduler": scheduler, "data": data}
@@ -85,17 +122,55 @@ class Guard:
 
         self.step = 0
         self.tokens_total = 0
+        self.lr_scale = 1.0
+        self.paused = False
+        self.stop_requested = False
+        self.started_at = time.time()
         self.last_record: dict[str, Any] | None = None
+        self.last_train_loss: float | None = None
+        self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
+        self._last_saved_step: int | None = None
+        self._nonfinite_checkpoint_taken = False
+        self._signal: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
         self._reset_interval()
 
+        self.path = Path(run_dir)
         self.run_dir: RunDirectory | None = None
+        self.checkpoints: CheckpointStore | None = None
+        self.control: ControlServer | None = None
         self._display: ProgressDisplay | None = None
+        self._group = control_group()
+        self.commands = CommandRunner(self)
         if self.rank == 0:
-            self.run_dir = RunDirectory(Path(run_dir))
+            self.run_dir = RunDirectory(self.path)
             self.run_dir.write_config(self.config.resolved())
             self.run_dir.write_env(device_description(self.device), self.world_size)
+            self.checkpoints = CheckpointStore(
+                self.path / "checkpoints",
+                keep_last=self.config.checkpoint.keep_last,
+                config_hash=self.config.digest(),
+                versions=package_versions(),
+            )
+            self.control = self._start_control()
             if progress:
                 self._display = make_progress(self.max_steps, self.step)
+            self.event(
+                "start",
+                pid=os.getpid(),
+                world_size=self.world_size,
+                control_socket=str(self.control.socket_path) if self.control else None,
+                control_tcp=self.control.tcp_address if self.control else None,
+            )
+        self._install_signal_handlers()
+
+    # ----------------------------------------------------------------- the per-step API
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Add state that checkpoints save and rollbacks restore (anything with state_dict)."""
+        if name in self.state:
+            raise ValueError(f"state {name!r} is already registered")
+        self.state[name] = obj
 
     def _reset_interval(self) -> None:
         zero = torch.zeros((), device=self.device)
@@ -125,13 +200,45 @@ class Guard:
         return norm
 
     def end_step(self) -> None:
-        """Close the optimizer step; at each log interval, sync once and write the metrics."""
+        """Close the optimizer step; at each log interval, sync once and write the metrics;
+        take the periodic checkpoint."""
         self.step += 1
         self._interval_steps += 1
         self._interval_tokens += self._pending_tokens
         self._pending_tokens = 0
         if self.step % self.log_every == 0 or self.step == self.max_steps:
             self._log_interval()
+        every = self.config.checkpoint.every
+        if every is not None and self.step % every == 0:
+            self.save("periodic")
+
+    def poll(self) -> None:
+        """Apply queued control commands and stop signals at this step boundary. While the run
+        is paused this blocks, still serving commands, until resumed or stopped."""
+        while True:
+            commands, signalled = self.commands.gather(wait=self.paused)
+            if signalled and not self.stop_requested:
+                self.event("signal", signal=self._signal_name())
+                self.commands.stop(reason="signal")
+            for request, pending in commands:
+                self.commands.apply(request, pending)
+            if not self.paused or self.stop_requested:
+                return
+
+    def record_eval(self, val_loss: float, **extra: float) -> None:
+        """Log a validation result (already reduced over ranks) at the current step."""
+        self.last_val = (self.step, val_loss)
+        record: dict[str, Any] = {
+            "kind": "eval",
+            "step": self.step,
+            "time": time.time(),
+            "val_loss": val_loss,
+            "val_perplexity": math.exp(min(val_loss, 700.0)),
+        }
+        record.update(extra)
+        self._emit(record)
+
+    # ----------------------------------------------------------------- metrics
 
     def _log_interval(self) -> None:
         if self._interval_steps == 0:
@@ -148,14 +255,15 @@ class Guard:
         elapsed = time.perf_counter() - self._interval_start
         steps = self._interval_steps
         self.tokens_total += int(tokens)
+        self.last_train_loss = loss_sum / (steps * self.world_size)
         record: dict[str, Any] = {
             "kind": "train",
             "step": self.step,
             "time": time.time(),
-            "train_loss": loss_sum / (steps * self.world_size),
+            "train_loss": self.last_train_loss,
             "grad_norm": norm_last / self.world_size,
             "grad_norm_max": norm_max / self.world_size,
-            "lr": self._learning_rate(),
+            "lr": self.learning_rate(),
             "tokens": self.tokens_total,
             "tokens_per_second": tokens / elapsed if elapsed > 0 else 0.0,
             "step_time_seconds": elapsed / steps,
@@ -165,20 +273,11 @@ class Guard:
             record["data_position"] = int(data.position)
         self._emit(record)
         self._reset_interval()
+        if not math.isfinite(loss_sum) and not self._nonfinite_checkpoint_taken:
+            self._nonfinite_checkpoint_taken = True  # kept for post-mortem, marked unhealthy
+            self.save("nonfinite", healthy=False)
 
-    def record_eval(self, val_loss: float, **extra: float) -> None:
-        """Log a validation result (already reduced over ranks) at the current step."""
-        record: dict[str, Any] = {
-            "kind": "eval",
-            "step": self.step,
-            "time": time.time(),
-            "val_loss": val_loss,
-            "val_perplexity": math.exp(min(val_loss, 700.0)),
-        }
-        record.update(extra)
-        self._emit(record)
-
-    def _learning_rate(self) -> float | None:
+    def learning_rate(self) -> float | None:
         if self.optimizer is None:
             return None
         return float(self.optimizer.param_groups[0]["lr"])
@@ -186,17 +285,203 @@ class Guard:
     def _emit(self, record: dict[str, Any]) -> None:
         self.last_record = record
         if self.run_dir is not None:
-            self.run_dir.append_metrics(record)
+            self.run_dir.metrics.append(record)
         if self._display is not None:
             self._display.update(record)
 
+    def event(self, kind: str, /, **fields: Any) -> None:
+        """Append to the audit trail, events.jsonl (rank 0)."""
+        if self.run_dir is not None:
+            record = {"time": time.time(), "step": self.step, "event": kind, **fields}
+            self.run_dir.events.append(record)
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def _healthy_now(self) -> bool:
+        """False when the current interval or the last logged one saw a non-finite loss."""
+        interval_finite = bool(torch.isfinite(self._loss_sum).item())
+        last = self.last_train_loss
+        return interval_finite and (last is None or math.isfinite(last))
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        """Everything a bit-exact resume needs. Collective under torchrun (RNG of every rank)."""
+        rng = all_gather_objects(capture_rng(), self._group)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step,
+            "tokens": self.tokens_total,
+            "lr_scale": self.lr_scale,
+            "world_size": self.world_size,
+            "rng": rng,
+            "state": {name: obj.state_dict() for name, obj in self.state.items()},
+        }
+
+    def save(
+        self,
+        reason: str = "manual",
+        *,
+        healthy: bool | None = None,
+        wait: bool = False,
+        on_done: Callable[[CheckpointMeta | BaseException], None] | None = None,
+    ) -> None:
+        """Checkpoint now (rank 0 writes). Async unless ``checkpoint.async`` is off or ``wait``;
+        ``on_done`` gets the meta or the error once the checkpoint is on disk."""
+        payload = self.checkpoint_payload()
+        if self.checkpoints is None:
+            return
+        store = self.checkpoints
+        healthy = self._healthy_now() if healthy is None else healthy
+        val = self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
+        meta_fields: dict[str, Any] = {
+            "tokens": self.tokens_total,
+            "healthy": healthy,
+            "reason": reason,
+            "train_loss": self.last_train_loss,
+            "val_loss": val,
+        }
+        started = time.perf_counter()
+
+        def finished(result: CheckpointMeta | BaseException) -> None:
+            if isinstance(result, BaseException):
+                log.error("checkpoint at step %d failed: %s", payload["step"], result)
+                self.event("checkpoint_failed", reason=reason, error=str(result))
+            else:
+                seconds = time.perf_counter() - started
+                self.event(
+                    "checkpoint",
+                    name=result.name,
+                    reason=reason,
+                    seconds=seconds,
+                    healthy=result.healthy,
+                    checkpoint_step=result.step,
+                )
+            if on_done is not None:
+                on_done(result)
+
+        self._last_saved_step = self.step
+        if self.config.checkpoint.async_save and not wait:
+            store.save_async(self.step, snapshot(payload), on_done=finished, **meta_fields)
+            return
+        store.wait()
+        try:
+            meta = store.save(self.step, payload, **meta_fields)
+        except Exception as exc:  # a failed save must not stop training
+            finished(exc)
+            return
+        finished(meta)
+
+    def restore(self, target: Target, *, skip_batches: int = 0) -> dict[str, Any]:
+        """Load a checkpoint into every registered state on every rank; then skip batches.
+        Returns what was restored: checkpoint name and step."""
+        loaded: list[Any] = [None]
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+            try:
+                meta, payload = self.checkpoints.load(target)
+                loaded = [{"meta": meta.to_dict(), "payload": payload}]
+            except Exception as exc:
+                loaded = [f"{exc}"]
+        loaded = broadcast_objects(loaded, self._group)
+        if isinstance(loaded[0], str):
+            raise RestoreError(loaded[0])
+        meta_dict, payload = loaded[0]["meta"], loaded[0]["payload"]
+        self._apply_payload(payload)
+        data = self.state.get("data")
+        if skip_batches:
+            if data is None or not hasattr(data, "skip"):
+                raise RestoreError("skip_batches needs registered data with a skip() method")
+            data.skip(skip_batches)
+        return {"checkpoint": meta_dict["name"], "step": int(payload["step"])}
+
+    def _apply_payload(self, payload: dict[str, Any]) -> None:
+        missing = sorted(set(self.state) - set(payload["state"]))
+        if missing:
+            raise RestoreError(f"checkpoint has no state for {', '.join(missing)}")
+        for name, obj in self.state.items():
+            obj.load_state_dict(payload["state"][name])
+        rng = payload["rng"]
+        restore_rng(rng[self.rank] if len(rng) == self.world_size else rng[0])
+        self.step = int(payload["step"])
+        self.tokens_total = int(payload["tokens"])
+        self.lr_scale = float(payload["lr_scale"])
+        self._last_saved_step = self.step
+        self._reset_interval()
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Multiply the learning rate by ``scale`` relative to the schedule, from now on."""
+        ratio = scale / self.lr_scale
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= ratio
+        base_lrs = getattr(self.scheduler, "base_lrs", None)
+        if base_lrs is not None:
+            self.scheduler.base_lrs = [b * ratio for b in base_lrs]  # type: ignore[union-attr]
+        self.lr_scale = scale
+
+    def finish(self) -> None:
+        """Training ended normally: save the final state (``checkpoint.save_on_exit``)."""
+        if self.config.checkpoint.save_on_exit and self._last_saved_step != self.step:
+            self.save("final", wait=True)
+
+    # ----------------------------------------------------------------- control and signals
+
+    def _start_control(self) -> ControlServer | None:
+        cfg = self.config.control
+        if not cfg.socket and cfg.tcp is None:
+            return None
+        tcp = None
+        if cfg.tcp is not None:
+            host, _, port = cfg.tcp.rpartition(":")
+            tcp = (host, int(port))
+        server = ControlServer(
+            socket_path=self.path / SOCKET_NAME if cfg.socket else None,
+            tcp=tcp,
+            token=os.environ.get(cfg.token_env) if tcp else None,
+            on_reject=self._record_rejected,
+        )
+        server.start()
+        return server
+
+    def _record_rejected(self, request_id: str | None, code: Any, message: str) -> None:
+        if request_id is not None:  # a command we could identify; garbage lines are not events
+            self.event(
+                "command", id=request_id, ok=False, error={"code": code.value, "message": message}
+            )
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in STOP_SIGNALS:
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """First SIGTERM/SIGINT: save and stop at the next boundary; a second one: default."""
+        self._signal = signum
+        for sig, previous in self._previous_handlers.items():
+            signal.signal(sig, previous)
+
+    def _signal_name(self) -> str | None:
+        return signal.Signals(self._signal).name if self._signal is not None else None
+
+    @property
+    def signal_pending(self) -> bool:
+        return self._signal is not None
+
     def close(self) -> None:
-        """Log the last partial interval and release the run directory and display."""
+        """Log the last partial interval, wait for saves, and release everything."""
         self._log_interval()
+        for signum, previous in self._previous_handlers.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, previous)
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+        if self.control is not None:
+            self.control.close()
         if self._display is not None:
             self._display.close()
             self._display = None
         if self.run_dir is not None:
+            self.event("close", stop_requested=self.stop_requested)
             self.run_dir.close()
 
     def __enter__(self) -> Guard:
@@ -208,4 +493,6 @@ class Guard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc_type is None:
+            self.finish()
         self.close()

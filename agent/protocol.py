@@ -60,8 +60,7 @@ def parse_target(value: Any) -> Target:
         if value.isdigit():
             return int(value)
     raise ValueError(
-        f"must be one of {', '.join(NAMED_TARGETS)} or a step number (never a path), "
-        f"not {value!r}"
+        f"must be one of {', '.join(NAMED_TARGETS)} or a step number (never a path), not {value!r}"
     )
 
 

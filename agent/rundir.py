@@ -8,6 +8,7 @@ import platform
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -56,13 +57,38 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class JsonlLog:
+    """An append-only JSON-lines file, safe to write from several threads; each line is
+    flushed, so a crash loses at most the line being written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        line = json.dumps(record, allow_nan=True, default=str) + "\n"
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
 class RunDirectory:
     """``runs/<run_id>/``: written by rank 0 only."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._metrics: IO[str] | None = None
+        self.metrics = JsonlLog(self.path / "metrics.jsonl")
+        self.events = JsonlLog(self.path / "events.jsonl")
 
     def write_config(self, resolved: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(dict(resolved), sort_keys=False)
@@ -82,14 +108,6 @@ class RunDirectory:
         }
         write_atomically(self.path / "env.json", json.dumps(env, indent=2) + "\n")
 
-    def append_metrics(self, record: Mapping[str, Any]) -> None:
-        """One JSON line per record, flushed so a crash loses at most the current line."""
-        if self._metrics is None:
-            self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        self._metrics.write(json.dumps(record, allow_nan=True) + "\n")
-        self._metrics.flush()
-
     def close(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        self.metrics.close()
+        self.events.close()

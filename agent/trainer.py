@@ -10,6 +10,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from .guard import Guard
 from .model import GPT
 from .optim import build_ema, build_optimizer, build_scheduler
 from .precision import autocast, convert_to_fp8, make_grad_scaler
+from .protocol import Target
 
 log = logging.getLogger("lossguard.agent")
 
@@ -53,6 +55,13 @@ class EarlyStopping:
         self.best = math.inf
         self.bad_evals = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = float(state["best"])
+        self.bad_evals = int(state["bad_evals"])
+
     def should_stop(self, step: int, val_loss: float) -> bool:
         if val_loss < self.best - self.min_delta:
             self.best = val_loss
@@ -75,15 +84,29 @@ class FitResult:
 class Trainer:
     """Builds data, model, precision and optimiser from a Config and trains with Guard."""
 
-    def __init__(self, cfg: Config, *, progress: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        progress: bool = True,
+        resume: Target | None = None,
+        skip_batches: int = 0,
+    ) -> None:
+        if resume is not None and cfg.run.id is None:
+            raise ConfigError("run.id: required to resume (the run directory is <run.dir>/<id>)")
         self.dist = setup_distributed(cfg.run.device)
         self.device = self.dist.device
         cfg = cfg.model_copy(deep=True)
         cfg.run.id = broadcast_from_main(cfg.run.id or new_run_id())
         self.cfg = cfg
         self.run_path = cfg.run.dir / str(cfg.run.id)
-        if (self.run_path / "config.yaml").exists():
-            raise ConfigError(f"run.id: run directory {self.run_path} already exists")
+        exists = (self.run_path / "config.yaml").exists()
+        if exists and resume is None:
+            raise ConfigError(
+                f"run.id: run directory {self.run_path} already exists (use --resume to continue)"
+            )
+        if not exists and resume is not None:
+            raise ConfigError(f"run.id: no run directory {self.run_path} to resume")
         seed_everything(cfg.run.seed)
 
         cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"
@@ -139,6 +162,17 @@ class Trainer:
             config=cfg,
             progress=progress,
         )
+        if self.early_stopping is not None:
+            self.guard.register("early_stopping", self.early_stopping)
+        if resume is not None:
+            try:
+                restored = self.guard.restore(resume, skip_batches=skip_batches)
+            except Exception:
+                self.close()
+                raise
+            self.guard.event("resumed", target=resume, skipped_batches=skip_batches, **restored)
+            if self.dist.is_main:
+                log.info("resumed from %s at step %d", restored["checkpoint"], restored["step"])
         if self.dist.is_main:
             log.info(
                 "run %s: %s; model %.2fM params (%d fp8 layers); %s on %s x%d; %d tokens/step",
@@ -216,6 +250,10 @@ class Trainer:
         stop_reason = "max_steps"
         best = math.inf
         while True:
+            self.guard.poll()
+            if self.guard.stop_requested:
+                stop_reason = "stopped"
+                break
             step = self.guard.step
             if step % train.eval_every == 0 or step == train.max_steps:
                 metrics = self.evaluate()
@@ -229,6 +267,7 @@ class Trainer:
             if step >= train.max_steps:
                 break
             self.train_step()
+        self.guard.finish()
         return FitResult(self.guard.step, stop_reason, self.run_path, best)
 
     def close(self) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from lossguard.agent.config import Config, parse_config
 
@@ -63,3 +66,48 @@ def run_cli(*args: str, timeout: float = 240, **env: str) -> subprocess.Complete
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
         check=False,
     )
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.005):
+    """Poll ``predicate`` until it returns something truthy; at the deadline, fail naming it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def start_agent(config: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``lossguard-agent run CONFIG ARGS`` in the background (output captured)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "lossguard.agent.cli", "run", str(config), "--no-progress", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def write_config(path: Path, settings: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+def step_records(run_dir: Path) -> dict[int, float]:
+    """Train loss per step from metrics.jsonl, the last line for a step winning (as after a
+    resume or rollback replays steps)."""
+    losses: dict[int, float] = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        record = json.loads(line)
+        if record["kind"] == "train":
+            losses[record["step"]] = record["train_loss"]
+    return losses
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,233 @@
+"""The control socket of a live training process under bad, hostile and concurrent input."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lossguard.agent.control_client import ControlClient, ControlError
+from lossguard.agent.protocol import MAX_LINE_BYTES
+
+from .conftest import events, start_agent, tiny_settings, wait_for, write_config
+
+TOKEN = "s3cret-token-for-tests"
+
+
+class Agent:
+    """A long-running training process with a Unix socket and a token-protected TCP port."""
+
+    def __init__(self, tmp_path: Path, cache: Path) -> None:
+        settings = tiny_settings(
+            tmp_path / "runs",
+            cache,
+            train={"max_steps": 1_000_000, "log_every": 1, "eval_every": 1_000_000},
+            control={"tcp": "127.0.0.1:0"},
+        )
+        self.config = write_config(tmp_path / "c.yaml", settings)
+        self.run_dir = tmp_path / "runs/tiny"
+        self.socket_path = self.run_dir / "control.sock"
+        self.process = start_agent(self.config, env={"LOSSGUARD_CONTROL_TOKEN": TOKEN})
+        start = wait_for(self._start_event, 120, "the agent to start")
+        host, port = start["control_tcp"]
+        self.tcp = (host, port)
+        wait_for(lambda: self.step() >= 2, 60, "training to step")
+
+    def _start_event(self) -> dict[str, Any] | None:
+        return next((e for e in events(self.run_dir) if e["event"] == "start"), None)
+
+    def step(self) -> int:
+        with ControlClient(socket_path=self.socket_path, timeout=30) as ctl:
+            return int(ctl.request("status")["step"])
+
+    def connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(30)
+        sock.connect(str(self.socket_path))
+        return sock
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with ControlClient(socket_path=self.socket_path, timeout=60) as ctl:
+                ctl.request("stop")
+        self.process.communicate(timeout=60)
+        assert self.process.returncode == 0
+
+
+@pytest.fixture
+def agent(tmp_path: Path, corpus_cache: Path) -> Iterator[Agent]:
+    live = Agent(tmp_path, corpus_cache)
+    try:
+        yield live
+    finally:
+        if live.process.poll() is None:
+            live.process.kill()
+            live.process.communicate()
+
+
+def read_reply(sock: socket.socket) -> dict[str, Any]:
+    """One reply line; replies to pipelined requests may share a read, so buffer per socket."""
+    reader = _readers.setdefault(sock.fileno(), sock.makefile("rb"))
+    line = reader.readline()
+    assert line.endswith(b"\n"), "connection closed without a reply"
+    return json.loads(line)
+
+
+_readers: dict[int, Any] = {}
+
+
+# Lines a fuzzer sends: garbage, near-misses and valid commands that do not change training.
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
+harmless = st.sampled_from(["status", "checkpoints"])
+# Commands that change training (stop, rollback, ...) only ever with a wrong name or bad args.
+near_miss = st.fixed_dictionaries(
+    {
+        "id": st.text(min_size=1, max_size=10) | st.integers(0, 10**6),
+        "cmd": st.sampled_from(["status", "checkpoints", "stat", "STOP", "rollback ", "", "save!"]),
+    },
+    optional={"args": json_values, "token": json_values, "extra": json_values},
+)
+bad_lr = st.builds(
+    lambda i, v: {"id": i, "cmd": "set_lr_scale", "args": {"scale": v}},
+    st.text(min_size=1, max_size=8),
+    st.sampled_from([0, -1, "0.5", None, True, [1], {"x": 1}, 1e400]),
+)
+path_rollback = st.builds(
+    lambda i, p: {"id": i, "cmd": "rollback", "args": {"target": p}},
+    st.text(min_size=1, max_size=8),
+    st.sampled_from(["../checkpoints/step_1", "/etc/passwd", "./latest", "step_00000010", "1e3"]),
+)
+lines = st.one_of(
+    st.binary(max_size=200).filter(lambda b: b"\n" not in b and b.strip()),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    near_miss.map(lambda m: json.dumps(m).encode()),
+    path_rollback.map(lambda m: json.dumps(m).encode()),
+    bad_lr.map(lambda m: json.dumps(m).encode()),
+    harmless.map(lambda c: json.dumps({"cmd": c, "id": "h"}).encode()),
+)
+
+
+def test_fuzzed_lines_each_get_one_reply_and_training_goes_on(agent: Agent) -> None:
+    before = agent.step()
+    sock = agent.connect()
+    seen = {"lines": 0}
+
+    @settings(
+        max_examples=1500,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(batch=st.lists(lines, min_size=1, max_size=4))
+    def exchange(batch: list[bytes]) -> None:
+        sock.sendall(b"".join(line + b"\n" for line in batch))  # pipelined
+        for _ in batch:
+            reply = read_reply(sock)
+            assert set(reply) in ({"id", "ok", "result"}, {"id", "ok", "error"}), reply
+            if not reply["ok"]:
+                assert reply["error"]["code"] in {
+                    "bad_request",
+                    "unknown_command",
+                    "unauthorized",
+                    "not_found",
+                    "failed",
+                }
+            seen["lines"] += 1
+
+    exchange()
+    _readers.pop(sock.fileno()).close()
+    sock.close()
+    assert seen["lines"] >= 1500
+    after = wait_for(lambda: (s := agent.step()) > before and s, 60, "training to keep stepping")
+    assert after > before
+    assert agent.process.poll() is None
+    changed = [e for e in events(agent.run_dir) if e["event"] in ("rollback", "checkpoint")]
+    assert changed == []  # no path, nor anything else the fuzzer sent, touched training state
+    with ControlClient(socket_path=agent.socket_path, timeout=30) as ctl:
+        assert ctl.request("status")["lr_scale"] == 1.0
+    agent.stop()
+
+
+def test_socket_is_owner_only_and_tcp_needs_the_token(agent: Agent) -> None:
+    assert stat.S_IMODE(os.stat(agent.socket_path).st_mode) == 0o600
+    with ControlClient(tcp=agent.tcp, token=None, timeout=30) as ctl:
+        with pytest.raises(ControlError) as refused:
+            ctl.request("status")
+        assert refused.value.code == "unauthorized"
+    with (
+        ControlClient(tcp=agent.tcp, token="wrong", timeout=30) as ctl,
+        pytest.raises(ControlError),
+    ):
+        ctl.request("status")
+    with ControlClient(tcp=agent.tcp, token=TOKEN, timeout=30) as ctl:
+        assert ctl.request("status")["step"] >= 2
+    log = (agent.run_dir / "events.jsonl").read_text()
+    assert TOKEN not in log and "wrong" not in log
+    agent.stop()
+
+
+def test_repeated_id_is_answered_from_the_first_result(agent: Agent) -> None:
+    with ControlClient(socket_path=agent.socket_path, timeout=30) as ctl:
+        first = ctl.request("set_lr_scale", {"scale": 0.5}, request_id="once")
+        again = ctl.request("set_lr_scale", {"scale": 0.25}, request_id="once")
+        assert again == first and first["lr_scale"] == 0.5
+        assert ctl.request("status")["lr_scale"] == 0.5
+    applied = [e for e in events(agent.run_dir) if e.get("id") == "once"]
+    assert len(applied) == 1
+    agent.stop()
+
+
+def test_oversized_half_closed_slow_and_many_clients(agent: Agent) -> None:
+    big = agent.connect()
+    big.sendall(
+        b'{"id": "big", "cmd": "status", "args": {"x": "' + b"a" * MAX_LINE_BYTES + b'"}}\n'
+    )
+    assert read_reply(big)["error"]["code"] == "too_large"
+    assert big.recv(10) == b""  # then the connection is closed
+    big.close()
+
+    half = agent.connect()
+    half.sendall(b'{"id": "half", "cmd": "status"}')  # no newline: the write side closes
+    half.shutdown(socket.SHUT_WR)
+    assert read_reply(half)["ok"] is True
+    half.close()
+
+    slow = agent.connect()
+    slow.sendall(b'{"id": "slow", "cmd": "sta')  # and then nothing
+    replies: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def one_client(n: int) -> None:
+        sock = agent.connect()
+        sock.sendall(json.dumps({"id": f"c{n}", "cmd": "status"}).encode() + b"\n")
+        reply = read_reply(sock)
+        sock.close()
+        with lock:
+            replies.append(reply)
+
+    threads = [threading.Thread(target=one_client, args=(n,)) for n in range(24)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(replies) == 24
+    assert all(r["ok"] or r["error"]["code"] == "busy" for r in replies)
+    assert sum(r["ok"] for r in replies) >= 20
+    slow.close()
+    assert agent.step() > 2
+    agent.stop()

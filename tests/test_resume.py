@@ -1,0 +1,202 @@
+"""Checkpoints in real training processes: bit-exact resume after SIGKILL, bit-exact rollback,
+stop and preemption, and resume errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lossguard.agent.control_client import ControlClient
+
+from .conftest import (
+    events,
+    run_cli,
+    start_agent,
+    step_records,
+    tiny_settings,
+    wait_for,
+    write_config,
+)
+
+STEPS = 40
+
+
+def exact_settings(tmp_path: Path, cache: Path, dtype: str = "fp32") -> dict[str, Any]:
+    """Slow enough per step (~40 ms) that a test can act between checkpoints."""
+    return tiny_settings(
+        tmp_path / "runs",
+        cache,
+        train={"max_steps": STEPS, "batch_size": 32, "log_every": 1, "eval_every": 1000},
+        model={"dropout": 0.1},  # dropout makes the torch RNG state matter
+        precision={"dtype": dtype},
+        checkpoint={"every": 5, "keep_last": 100},
+    )
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(
+        run_dir / f"checkpoints/step_{STEPS:08d}/state.pt", map_location="cpu", weights_only=True
+    )
+    return state["state"]["model"]
+
+
+def train_records(run_dir: Path) -> dict[int, dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def has_checkpoint(run_dir: Path, step: int) -> bool:
+    return (run_dir / f"checkpoints/step_{step:08d}/meta.json").exists()
+
+
+def client(run_dir: Path) -> ControlClient:
+    return ControlClient(socket_path=run_dir / "control.sock", timeout=60)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resume_after_sigkill_is_bit_exact(tmp_path: Path, corpus_cache: Path, dtype: str) -> None:
+    config = write_config(tmp_path / "c.yaml", exact_settings(tmp_path, corpus_cache, dtype))
+    runs = tmp_path / "runs"
+    assert run_cli("run", str(config), "--set", "run.id=whole").returncode == 0
+
+    agent = start_agent(config, "--set", "run.id=killed")
+    wait_for(lambda: has_checkpoint(runs / "killed", 15), 120, "checkpoint step 15")
+    agent.send_signal(signal.SIGKILL)
+    assert agent.wait(30) == -signal.SIGKILL
+    assert max(step_records(runs / "killed")) < STEPS  # really killed mid-run
+
+    resumed = run_cli("run", str(config), "--set", "run.id=killed", "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr
+    whole, killed = step_records(runs / "whole"), step_records(runs / "killed")
+    assert sorted(killed) == list(range(1, STEPS + 1))
+    assert killed == whole  # every step's loss, bit for bit
+    a, b = final_weights(runs / "whole"), final_weights(runs / "killed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def rollback_run(config: Path, run_dir: Path, run_id: str, **args: Any) -> dict[str, Any]:
+    """Train, pause after checkpoint 10, roll back to step 10 with ``args``, finish."""
+    agent = start_agent(config, "--set", f"run.id={run_id}")
+    wait_for(lambda: has_checkpoint(run_dir, 10), 120, "checkpoint step 10")
+    with client(run_dir) as ctl:
+        paused = ctl.request("pause")
+        assert paused["paused"] and 10 <= paused["step"] < STEPS
+        result = ctl.request("rollback", {"target": 10, **args})
+        assert ctl.request("status")["step"] == 10
+        ctl.request("resume")
+    _, stderr = agent.communicate(timeout=120)
+    assert agent.returncode == 0, stderr
+    return result | {"paused_at": paused["step"]}
+
+
+def test_rollback_is_bit_exact(tmp_path: Path, corpus_cache: Path) -> None:
+    config = write_config(tmp_path / "c.yaml", exact_settings(tmp_path, corpus_cache))
+    runs = tmp_path / "runs"
+    assert run_cli("run", str(config), "--set", "run.id=whole").returncode == 0
+    whole = step_records(runs / "whole")
+
+    result = rollback_run(config, runs / "back", "back")
+    assert result["to_step"] == 10 and result["checkpoint"] == "step_00000010"
+    assert result["from_step"] == result["paused_at"]
+    assert step_records(runs / "back") == whole  # steps 11.. replayed bit for bit
+    rollbacks = [e for e in events(runs / "back") if e["event"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["to_step"] == 10
+
+    # With skip_batches n: the same as resuming the uninterrupted run's step 10, skipping n.
+    skipped = rollback_run(config, runs / "skip", "skip", skip_batches=3)
+    assert skipped["skipped_batches"] == 3
+    shutil.copytree(runs / "whole/checkpoints", runs / "ref/checkpoints")
+    shutil.copy(runs / "whole/config.yaml", runs / "ref/config.yaml")
+    for step in range(15, STEPS + 1, 5):  # the reference continues from step 10 alone
+        shutil.rmtree(runs / f"ref/checkpoints/step_{step:08d}")
+    ref = run_cli(
+        "run", str(config), "--set", "run.id=ref", "--resume", "10", "--skip-batches", "3"
+    )
+    assert ref.returncode == 0, ref.stderr
+    after = {s: v for s, v in step_records(runs / "skip").items() if s > 10}
+    assert after == step_records(runs / "ref")
+    assert after.keys() == set(range(11, STEPS + 1))
+    assert all(after[s] != whole[s] for s in after)  # the skip really changed the data
+
+
+def test_rollback_lr_scale_is_kept(tmp_path: Path, corpus_cache: Path) -> None:
+    config = write_config(tmp_path / "c.yaml", exact_settings(tmp_path, corpus_cache))
+    runs = tmp_path / "runs"
+    assert run_cli("run", str(config), "--set", "run.id=whole").returncode == 0
+    result = rollback_run(config, runs / "half", "half", lr_scale=0.5)
+    assert result["lr_scale"] == 0.5
+    whole, half = train_records(runs / "whole"), train_records(runs / "half")
+    assert half[11]["train_loss"] == whole[11]["train_loss"]  # same weights at step 10
+    for step in range(11, STEPS + 1):
+        assert half[step]["lr"] == pytest.approx(0.5 * whole[step]["lr"], rel=1e-12)
+    # a later checkpoint keeps the scale: resuming from it continues at half the schedule
+    final = torch.load(
+        runs / f"half/checkpoints/step_{STEPS:08d}/state.pt", map_location="cpu", weights_only=True
+    )
+    assert final["lr_scale"] == 0.5
+
+
+def start_long_run(tmp_path: Path, cache: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A run that would go on for a long time, once its first checkpoint exists."""
+    settings = exact_settings(tmp_path, cache)
+    settings["train"]["max_steps"] = 100_000
+    agent = start_agent(write_config(tmp_path / "c.yaml", settings))
+    run_dir = tmp_path / "runs/tiny"
+    wait_for(lambda: has_checkpoint(run_dir, 5), 120, "first checkpoint")
+    return agent, run_dir
+
+
+def test_stop_command_saves_and_exits_cleanly(tmp_path: Path, corpus_cache: Path) -> None:
+    agent, run_dir = start_long_run(tmp_path, corpus_cache)
+    with client(run_dir) as ctl:
+        reply = ctl.request("stop")
+    assert reply["checkpoint"] == f"step_{reply['step']:08d}"
+    _, stderr = agent.communicate(timeout=60)
+    assert agent.returncode == 0, stderr
+    assert has_checkpoint(run_dir, reply["step"])
+    assert not (run_dir / "control.sock").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_signal_saves_then_exits_zero(
+    tmp_path: Path, corpus_cache: Path, signum: signal.Signals
+) -> None:
+    agent, run_dir = start_long_run(tmp_path, corpus_cache)
+    agent.send_signal(signum)
+    _, stderr = agent.communicate(timeout=60)
+    assert agent.returncode == 0, stderr
+    log = events(run_dir)
+    assert [e["signal"] for e in log if e["event"] == "signal"] == [signum.name]
+    saved = [e for e in log if e["event"] == "checkpoint" and e["reason"] == "signal"]
+    assert len(saved) == 1 and has_checkpoint(run_dir, saved[0]["checkpoint_step"])
+
+
+def test_resume_problems_are_reported(tmp_path: Path, corpus_cache: Path) -> None:
+    settings = exact_settings(tmp_path, corpus_cache)
+    settings["train"]["max_steps"] = 12
+    config = write_config(tmp_path / "c.yaml", settings)
+    run_dir = tmp_path / "runs/tiny"
+
+    missing = run_cli("run", str(config), "--resume", "latest")
+    assert missing.returncode == 2 and "no run directory" in missing.stderr
+    assert run_cli("run", str(config), "--resume", "../x").returncode == 2
+
+    assert run_cli("run", str(config)).returncode == 0  # checkpoints at 5, 10 and final 12
+    state = run_dir / "checkpoints/step_00000012/state.pt"
+    blob = bytearray(state.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    state.write_bytes(bytes(blob))
+    resumed = run_cli("run", str(config), "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step_00000012" in resumed.stderr  # the warning names the corrupt checkpoint
+    assert [e for e in events(run_dir) if e["event"] == "resumed"][-1]["step"] == 10
+
+    none = run_cli("run", str(config), "--resume", "7")
+    assert none.returncode == 1 and "cannot resume" in none.stderr
