@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -58,6 +59,88 @@ def bench_precision(cfg: Config, steps: int, warmup: int) -> BenchResult:
     )
 
 
+@dataclass(frozen=True)
+class CheckpointBenchResult:
+    params: int
+    checkpoint_bytes: int
+    save_seconds: float  # synchronous save: snapshot-free write, fsync, hash, rename
+    stall_seconds: float  # what an async save costs the training loop (the copy to host)
+    load_seconds: float  # verify hashes, load, restore every registered state
+
+    @property
+    def stall_ratio(self) -> float:
+        return self.stall_seconds / self.save_seconds
+
+
+def bench_checkpoint(cfg: Config, repeats: int) -> CheckpointBenchResult:
+    """Median save, async stall and load times of the configured model with optimizer state."""
+    from .trainer import Trainer
+
+    trainer = Trainer(cfg, progress=False)
+    guard, store = trainer.guard, trainer.guard.checkpoints
+    assert store is not None
+    saves, stalls, loads = [], [], []
+    try:
+        for _ in range(repeats):
+            trainer.train_step()  # a new step each time: optimizer state, a new checkpoint name
+            start = time.perf_counter()
+            guard.save("bench", wait=True)
+            saves.append(time.perf_counter() - start)
+            trainer.train_step()
+            start = time.perf_counter()
+            guard.save("bench")
+            stalls.append(time.perf_counter() - start)
+            store.wait()
+            start = time.perf_counter()
+            guard.restore("latest")
+            loads.append(time.perf_counter() - start)
+        latest = store.resolve("latest")[0]
+        size = sum(f.stat().st_size for f in (store.root / latest.name).iterdir())
+    finally:
+        trainer.close()
+    return CheckpointBenchResult(
+        params=trainer.raw_model.num_params(non_embedding=False),
+        checkpoint_bytes=size,
+        save_seconds=statistics.median(saves),
+        stall_seconds=statistics.median(stalls),
+        load_seconds=statistics.median(loads),
+    )
+
+
+def scratch_config(cfg: Config, scratch: Path, run_id: str) -> Config:
+    """The same run in a scratch run directory, keeping the data cache where it was."""
+    run = cfg.model_copy(deep=True)
+    run.data.cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"
+    run.run.dir = scratch
+    run.run.id = run_id
+    return run
+
+
+def run_checkpoint_benchmark(cfg: Config, repeats: int) -> CheckpointBenchResult:
+    with tempfile.TemporaryDirectory(prefix="lossguard-bench-") as scratch:
+        run = scratch_config(cfg, Path(scratch), "bench-checkpoint")
+        run.checkpoint.every = None
+        run.checkpoint.async_save = True
+        run.checkpoint.keep_last = 2
+        run.train.max_steps = max(run.train.max_steps, 2 * repeats + 1)
+        return bench_checkpoint(run, repeats)
+
+
+def checkpoint_table(result: CheckpointBenchResult, repeats: int) -> Table:
+    table = Table(title=f"lossguard checkpoint bench (median of {repeats})")
+    for column in ("params", "checkpoint", "sync save s", "async stall s", "stall/save", "load s"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{result.params / 1e6:.1f}M",
+        f"{result.checkpoint_bytes / 2**20:,.1f} MiB",
+        f"{result.save_seconds:.3f}",
+        f"{result.stall_seconds:.3f}",
+        f"{result.stall_ratio:.3f}",
+        f"{result.load_seconds:.3f}",
+    )
+    return table
+
+
 def run_benchmark(
     cfg: Config, precisions: Sequence[str], steps: int, warmup: int
 ) -> list[BenchResult]:
@@ -65,11 +148,8 @@ def run_benchmark(
     results = []
     with tempfile.TemporaryDirectory(prefix="lossguard-bench-") as scratch:
         for precision in precisions:
-            run = cfg.model_copy(deep=True)
+            run = scratch_config(cfg, Path(scratch), f"bench-{precision}")
             run.precision.dtype = precision  # type: ignore[assignment]
-            run.data.cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"  # reuse the cache
-            run.run.dir = Path(scratch)
-            run.run.id = f"bench-{precision}"
             run.train.max_steps = max(run.train.max_steps, steps + warmup)
             results.append(bench_precision(run, steps, warmup))
     return results
@@ -95,5 +175,5 @@ def results_table(results: Sequence[BenchResult], steps: int) -> Table:
     return table
 
 
-def print_results(results: Sequence[BenchResult], steps: int) -> None:
-    Console(width=120).print(results_table(results, steps))
+def print_table(table: Table) -> None:
+    Console(width=120).print(table)

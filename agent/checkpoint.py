@@ -22,7 +22,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +35,7 @@ STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 NAMED_TARGETS = ("latest", "best", "last_good")
 MAX_STEP = 10**8 - 1
+SUPERSEDED = "superseded"  # meta.extra flag, see CheckpointStore.supersede_after
 _NAME_RE = re.compile(r"^step_[0-9]{8}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _HIDDEN_PREFIXES = (".tmp-", ".trash-")
@@ -192,6 +193,11 @@ def _write_synced(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         os.fsync(fh.fileno())
 
 
+def _write_json_synced(path: Path, data: dict[str, Any]) -> None:
+    blob = (json.dumps(data, indent=2) + "\n").encode("utf-8")
+    _write_synced(path, lambda fh: fh.write(blob))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -267,25 +273,30 @@ def _meta_fields(
     }
 
 
+def is_superseded(meta: CheckpointMeta) -> bool:
+    """Written on a timeline that a rollback (or a resume from an older checkpoint) left."""
+    return bool(meta.extra.get(SUPERSEDED))
+
+
 def _ordered(metas: list[CheckpointMeta], target: str | int) -> list[CheckpointMeta]:
-    """The checkpoints that ``target`` may mean, most preferred first."""
+    """The checkpoints that ``target`` may mean, most preferred first. Named targets and
+    fallbacks skip superseded checkpoints; an explicit step still reaches one."""
     newest_first = sorted(metas, key=lambda m: m.seq, reverse=True)
+    current = [m for m in newest_first if not is_superseded(m)]
     if target == "latest":
-        return newest_first
+        return current
     if target == "best":
         scored = [
-            (m.val_loss, m)
-            for m in newest_first
-            if m.val_loss is not None and math.isfinite(m.val_loss)
+            (m.val_loss, m) for m in current if m.val_loss is not None and math.isfinite(m.val_loss)
         ]
         return [m for _, m in sorted(scored, key=lambda pair: pair[0])]  # stable: newer first
     if target == "last_good":
-        return [m for m in newest_first if m.healthy]
+        return [m for m in current if m.healthy]
     if isinstance(target, int) and not isinstance(target, bool):
         exact = [m for m in newest_first if m.step == target]
         if not exact:
             return []
-        earlier = [m for m in newest_first if m.seq < exact[-1].seq and m.step < target]
+        earlier = [m for m in current if m.seq < exact[-1].seq and m.step < target]
         return exact + earlier
     raise CheckpointError(
         f"unknown checkpoint target {target!r}: use {', '.join(NAMED_TARGETS)} or a step number"
@@ -466,6 +477,24 @@ class CheckpointStore:
                 removed.append(meta.name)
         return removed
 
+    def supersede_after(self, kept: CheckpointMeta) -> builtins.list[str]:
+        """Mark every checkpoint written after ``kept`` superseded: training went back to
+        ``kept``, so ``latest``, ``best`` and ``last_good`` must not lead forward to the
+        abandoned timeline. They stay listed (post-mortems) until retention removes them."""
+        marked = []
+        with self._lock:
+            for meta in self.list():
+                if meta.seq <= kept.seq or is_superseded(meta):
+                    continue
+                updated = replace(meta, extra={**meta.extra, SUPERSEDED: True})
+                folder = self.root / meta.name
+                tmp = folder / f".{META_FILE}.tmp"
+                _write_json_synced(tmp, updated.to_dict())
+                os.replace(tmp, folder / META_FILE)
+                _fsync_dir(folder)
+                marked.append(meta.name)
+        return marked
+
     def _check_caller(self) -> None:
         if threading.current_thread() is self._writer:
             raise CheckpointError("checkpoint saves cannot be started or awaited from on_done")
@@ -506,8 +535,7 @@ class CheckpointStore:
                 versions=dict(self.versions),
                 **fields,
             )
-            text = json.dumps(meta.to_dict(), indent=2) + "\n"
-            _write_synced(tmp / META_FILE, lambda fh: fh.write(text.encode("utf-8")))
+            _write_json_synced(tmp / META_FILE, meta.to_dict())
             _fsync_dir(tmp)
             self._publish(tmp, name)
         except Exception as exc:

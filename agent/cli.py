@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated precisions to compare, e.g. bf16,fp8 (default: the config's)",
     )
+    bench.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="measure checkpoint save, async-save stall and load times instead",
+    )
+    bench.add_argument("--repeats", type=int, default=3, help="with --checkpoint (default 3)")
     return parser
 
 
@@ -112,13 +118,22 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def _bench(args: argparse.Namespace, cfg: Config) -> int:
-    from .bench import print_results, run_benchmark
+    from .bench import (
+        checkpoint_table,
+        print_table,
+        results_table,
+        run_benchmark,
+        run_checkpoint_benchmark,
+    )
 
-    if args.steps < 1 or args.warmup < 0:
-        raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+        raise ConfigError("--steps and --repeats must be >= 1, --warmup >= 0")
+    if args.checkpoint:
+        print_table(checkpoint_table(run_checkpoint_benchmark(cfg, args.repeats), args.repeats))
+        return EXIT_OK
     precisions = _precisions(args.precision, cfg)
     results = run_benchmark(cfg, precisions, args.steps, args.warmup)
-    print_results(results, args.steps)
+    print_table(results_table(results, args.steps))
     return EXIT_OK
 
 

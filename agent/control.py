@@ -130,7 +130,8 @@ class ControlServer:
         self._stopping.set()
         for sock, _ in self._listeners:
             with contextlib.suppress(OSError):
-                sock.close()
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            sock.close()
         for pending in self.take():
             pending.cancel()
         if self.socket_path is not None:

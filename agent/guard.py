@@ -327,6 +327,7 @@ class Guard:
         """Checkpoint now (rank 0 writes). Async unless ``checkpoint.async`` is off or ``wait``;
         ``on_done`` gets the meta or the error once the checkpoint is on disk."""
         payload = self.checkpoint_payload()
+        self._last_saved_step = self.step  # on every rank: finish() must agree on the collective
         if self.checkpoints is None:
             return
         store = self.checkpoints
@@ -358,7 +359,6 @@ class Guard:
             if on_done is not None:
                 on_done(result)
 
-        self._last_saved_step = self.step
         if self.config.checkpoint.async_save and not wait:
             store.save_async(self.step, snapshot(payload), on_done=finished, **meta_fields)
             return
@@ -381,6 +381,10 @@ class Guard:
                 loaded = [{"meta": meta.to_dict(), "payload": payload}]
             except Exception as exc:
                 loaded = [f"{exc}"]
+            else:  # the checkpoints after it belong to the timeline we are leaving
+                left = self.checkpoints.supersede_after(meta)
+                if left:
+                    self.event("superseded", checkpoints=left, restored=meta.name)
         loaded = broadcast_objects(loaded, self._group)
         if isinstance(loaded[0], str):
             raise RestoreError(loaded[0])

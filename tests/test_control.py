@@ -6,6 +6,8 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,3 +233,41 @@ def test_oversized_half_closed_slow_and_many_clients(agent: Agent) -> None:
     slow.close()
     assert agent.step() > 2
     agent.stop()
+
+
+def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lossguard.agent.ctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_lossguard_ctl_drives_a_live_run(agent: Agent) -> None:
+    run_dir = str(agent.run_dir)
+    status = ctl("--run-dir", run_dir, "status")
+    assert status.returncode == 0 and "tiny" in status.stdout
+    saved = ctl("--run-dir", run_dir, "save")
+    assert saved.returncode == 0 and saved.stdout.startswith("saved step_")
+    listing = ctl("--run-dir", run_dir, "--json", "checkpoints")
+    names = [c["name"] for c in json.loads(listing.stdout)["checkpoints"]]
+    assert len(names) == 1 and names[0] in saved.stdout
+    back = ctl("--run-dir", run_dir, "--json", "rollback", "latest", "--skip-batches", "2")
+    assert back.returncode == 0, back.stderr
+    result = json.loads(back.stdout)
+    assert result["checkpoint"] == names[0] and result["skipped_batches"] == 2
+    refused = ctl("--run-dir", run_dir, "rollback", "../../etc")
+    assert refused.returncode == 2 and "never a path" in refused.stderr
+    missing = ctl("--run-dir", run_dir, "rollback", "999999")
+    assert missing.returncode == 1 and "not_found" in missing.stderr
+    assert ctl("--run-dir", run_dir, "pause").returncode == 0
+    assert json.loads(ctl("--run-dir", run_dir, "--json", "status").stdout)["paused"] is True
+    assert ctl("--run-dir", run_dir, "resume").returncode == 0
+    stopped = ctl("--run-dir", run_dir, "stop")
+    assert stopped.returncode == 0 and "stopping at step" in stopped.stdout
+    agent.process.communicate(timeout=60)
+    assert agent.process.returncode == 0
+    gone = ctl("--run-dir", run_dir, "status")
+    assert gone.returncode == 3

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lossguard.agent import Guard
+from lossguard.agent.checkpoint import CheckpointStore, is_superseded
 from lossguard.agent.config import parse_config
 
 
@@ -102,3 +103,63 @@ def test_host_reads_happen_once_per_log_interval(
         opt.zero_grad()
         guard.end_step()
     assert reads == ["tolist"] * 3
+
+
+def test_first_nonfinite_loss_leaves_one_unhealthy_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = parse_config(
+        {"train": {"max_steps": 30, "log_every": 5}, "checkpoint": {"every": 4, "keep_last": 50}}
+    )
+    x = torch.randn(8, 4)
+    with Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False) as guard:
+        for step in range(1, 31):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            bad = step in (7, 13)  # as a diverging run would report
+            guard.after_backward(loss * float("nan") if bad else loss, tokens=8)
+            opt.step()
+            opt.zero_grad()
+            guard.end_step()
+            guard.poll()
+    metas = {
+        int(p.parent.name.split("_")[1]): json.loads(p.read_text())
+        for p in tmp_path.glob("checkpoints/step_*/meta.json")
+    }
+    nonfinite = [step for step, m in metas.items() if m["reason"] == "nonfinite"]
+    assert nonfinite == [10]  # logged at the interval that saw step 7; once only
+    assert metas[10]["healthy"] is False
+    assert metas[8]["healthy"] is False  # step 8's save came inside that interval
+    assert metas[4]["healthy"] is True and metas[20]["healthy"] is True
+    assert metas[30]["reason"] == "final" and metas[30]["healthy"] is True
+
+
+def test_after_a_rollback_latest_leaves_the_abandoned_timeline(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = parse_config(
+        {
+            "train": {"max_steps": 20, "log_every": 5},
+            "checkpoint": {"every": 5, "keep_last": 50, "save_on_exit": False},
+        }
+    )
+    guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
+    x = torch.randn(8, 4)
+    for _ in range(20):
+        model(x).pow(2).mean().backward()
+        guard.after_backward(torch.tensor(1.0), tokens=8)
+        opt.step()
+        opt.zero_grad()
+        guard.end_step()
+    assert guard.restore(10) == {"checkpoint": "step_00000010", "step": 10}
+    guard.close()  # and the process dies before its next checkpoint
+
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=50)
+    assert [m.step for m in store.resolve("latest")] == [10, 5]
+    assert [m.step for m in store.resolve("last_good")] == [10, 5]
+    assert sorted(m.step for m in store.list() if is_superseded(m)) == [15, 20]
+    assert store.resolve(20)[0].step == 20  # an explicit step still reaches it
+    superseded = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "superseded"]
+    assert superseded[0]["checkpoints"] == ["step_00000015", "step_00000020"]
