@@ -157,6 +157,82 @@ class ControlConfig(_Section):
         return self
 
 
+class SpikeConfig(_Section):
+    window: int = Field(default=128, ge=8, description="Steps in the rolling window.")
+    mode: Literal["zscore", "ratio"] = Field(
+        default="zscore", description="zscore: > k std above the mean; ratio: >= ratio x mean."
+    )
+    zscore: float = Field(default=6.0, gt=0.0, description="k, in standard deviations.")
+    ratio: float = Field(default=2.0, gt=1.0, description="Spike when value >= ratio x mean.")
+    min_history: int = Field(default=32, ge=2, description="Window values before detecting.")
+    recover_steps: int = Field(
+        default=20, ge=1, description="M: steps back within the band that end an episode."
+    )
+
+    @model_validator(mode="after")
+    def _history_fits_window(self) -> SpikeConfig:
+        if self.min_history > self.window:
+            raise field_error("min_history", f"must be <= window ({self.window})")
+        return self
+
+
+class Fp8HealthConfig(_Section):
+    every: int = Field(default=100, ge=1, description="Sample FP8 amax/overflow every K steps.")
+
+
+class GradDiagnosticsConfig(_Section):
+    enabled: bool = False
+    every: int = Field(default=100, ge=1, description="Sample every K steps.")
+    top_k: int = Field(default=5, ge=1, le=50, description="Layers exported to Prometheus.")
+    vanishing: float = Field(default=1e-7, gt=0.0, description="Layer grad L2 below: vanishing.")
+    exploding: float = Field(default=1e2, gt=0.0, description="Layer grad L2 above: exploding.")
+
+
+class TelemetryConfig(_Section):
+    enabled: bool = Field(
+        default=True, description="Exporter, detectors and samplers; off: a bare loop."
+    )
+    host: str = Field(default="0.0.0.0", description="Exporter bind address.")
+    port: int = Field(
+        default=9410, ge=0, le=65535, description="Exporter port (+ local rank); 0: any free."
+    )
+    peak_flops: float | None = Field(
+        default=None, gt=0.0, description="Dense peak FLOP/s for MFU; overrides table/measured."
+    )
+    skip_nonfinite: bool = Field(
+        default=True, description="Skip the optimizer update of a step with a non-finite value."
+    )
+    spikes: SpikeConfig = Field(default_factory=SpikeConfig)
+    fp8: Fp8HealthConfig = Field(default_factory=Fp8HealthConfig)
+    grad_diagnostics: GradDiagnosticsConfig = Field(default_factory=GradDiagnosticsConfig)
+
+
+class WandbConfig(_Section):
+    enabled: bool = False
+    project: str = "lossguard"
+    entity: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["auto", "online", "offline"] = Field(
+        default="auto", description="auto: offline when WANDB_API_KEY is not set."
+    )
+    dir: Path | None = Field(default=None, description="Default: the run directory.")
+
+
+FaultKind = Literal[
+    "lr_scale", "nonfinite_loss", "corrupt_batch", "scale_activations", "slow_step", "hang", "crash"
+]
+
+
+class FaultConfig(_Section):
+    kind: FaultKind
+    step: int = Field(ge=1, description="First step (1-based) the fault perturbs.")
+    duration: int = Field(default=1, ge=1, description="Steps it lasts.")
+    factor: float = Field(
+        default=10.0, gt=0.0, description="lr_scale / scale_activations multiplier."
+    )
+    seconds: float = Field(default=1.0, gt=0.0, description="slow_step: added wall time.")
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -165,6 +241,9 @@ class Config(_Section):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    faults: list[FaultConfig] = Field(default_factory=list)
 
     def resolved(self) -> dict[str, Any]:
         """Plain data, as written to ``config.yaml`` in the run directory."""
