@@ -415,6 +415,11 @@ class CheckpointStore:
             raise CheckpointError(f"no checkpoint matches target {target!r} in {self.root}")
         return candidates
 
+    def named(self) -> dict[str, CheckpointMeta | None]:
+        """The latest, best and last good checkpoints (None where there is none)."""
+        metas = self.list()
+        return {target: next(iter(_ordered(metas, target)), None) for target in NAMED_TARGETS}
+
     def load(self, target: str | int) -> tuple[CheckpointMeta, dict[str, Any]]:
         """The first usable candidate for ``target`` and its state, loaded on the CPU.
 

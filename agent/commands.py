@@ -39,13 +39,7 @@ Reply = Callable[[dict[str, Any] | CommandFailed], None]
 
 def checkpoint_summary(store: CheckpointStore) -> dict[str, str | None]:
     """Names of the latest, best and last good checkpoints (None where there is none)."""
-    summary: dict[str, str | None] = {}
-    for target in ("latest", "best", "last_good"):
-        try:
-            summary[target] = store.resolve(target)[0].name
-        except Exception:
-            summary[target] = None
-    return summary
+    return {kind: meta.name if meta else None for kind, meta in store.named().items()}
 
 
 class CommandRunner:
@@ -82,6 +76,10 @@ class CommandRunner:
                 ok=message["ok"],
                 **({"result": outcome} if message["ok"] else {"error": message["error"]}),
             )
+            if self.guard.telemetry is not None and self.guard.rank == 0:
+                self.guard.telemetry.command_applied(
+                    request.cmd, message["ok"], paused=self.guard.paused
+                )
             if pending is not None:
                 pending.resolve(message)
 
@@ -155,7 +153,8 @@ class CommandRunner:
         try:
             restored = guard.restore(args["target"], skip_batches=args["skip_batches"])
         except RestoreError as exc:
-            raise CommandFailed(ErrorCode.NOT_FOUND, str(exc)) from None
+            code = ErrorCode.NOT_FOUND if exc.not_found else ErrorCode.FAILED
+            raise CommandFailed(code, str(exc)) from None
         guard.set_lr_scale(guard.lr_scale * args["lr_scale"])
         result: dict[str, Any] = {
             "from_step": from_step,

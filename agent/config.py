@@ -132,7 +132,9 @@ class CheckpointConfig(_Section):
         alias="async",
         description="Copy state at the step boundary, write it in a background thread.",
     )
-    save_on_exit: bool = Field(default=True, description="Save when training ends or stops.")
+    save_on_exit: bool = Field(
+        default=True, description="Save when training ends (stop and signals always save)."
+    )
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
@@ -142,7 +144,7 @@ class ControlConfig(_Section):
     tcp: str | None = Field(
         default=None,
         pattern=r"^[^:\s]+:\d{1,5}$",
-        description="Also serve TCP on HOST:PORT; needs the token.",
+        description="Also serve TCP on HOST:PORT (port 0: any free); needs the token.",
     )
     token_env: str = Field(
         default="LOSSGUARD_CONTROL_TOKEN",
@@ -152,6 +154,8 @@ class ControlConfig(_Section):
 
     @model_validator(mode="after")
     def _tcp_needs_token(self) -> ControlConfig:
+        if self.tcp is not None and int(self.tcp.rpartition(":")[2]) > 65535:
+            raise field_error("tcp", "port must be <= 65535")
         if self.tcp is not None and not os.environ.get(self.token_env):
             raise field_error("tcp", f"needs a token in the environment variable {self.token_env}")
         return self
@@ -272,6 +276,12 @@ _REASONS: dict[str, str] = {
     "model_attributes_type": "must be a mapping of keys",
 }
 
+_PATTERN_REASONS: dict[str, str] = {
+    "id": "may hold only letters, digits, '.', '_' and '-', and start with a letter or digit",
+    "tcp": "must be HOST:PORT, e.g. 127.0.0.1:9420",
+    "token_env": "must be an environment variable name",
+}
+
 _BOUNDS: dict[str, str] = {
     "greater_than": "gt",
     "greater_than_equal": "ge",
@@ -292,7 +302,7 @@ def _reason(error: Mapping[str, Any]) -> str:
     if kind == "literal_error":
         return f"must be one of {ctx['expected']}"
     if kind == "string_pattern_mismatch":
-        return "may hold only letters, digits, '.', '_' and '-', and start with a letter or digit"
+        return _PATTERN_REASONS.get(str(error["loc"][-1]), f"must match {ctx.get('pattern')}")
     if kind in ("value_error", "field_error"):
         return str(ctx.get("reason") or ctx.get("error") or error["msg"])
     return _REASONS.get(kind, str(error["msg"]).lower())

@@ -32,7 +32,6 @@ from .protocol import (
 log = logging.getLogger("lossguard.agent.control")
 
 MAX_CONNECTIONS = 32
-MAX_QUEUED = 256
 REMEMBERED_IDS = 4096
 IDLE_TIMEOUT_S = 60.0
 SEND_TIMEOUT_S = 10.0
@@ -197,8 +196,6 @@ class ControlServer:
                 raise ProtocolError(
                     ErrorCode.SHUTTING_DOWN, "training is shutting down", request.id
                 )
-            if len(self._queued) >= MAX_QUEUED:
-                raise ProtocolError(ErrorCode.BUSY, "too many queued commands", request.id)
             pending = PendingCommand(request)
             self._by_id[request.id] = pending
             while len(self._by_id) > REMEMBERED_IDS:
@@ -249,7 +246,7 @@ def _bind_unix(path: Path) -> socket.socket:
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise OSError(f"{path} exists and is not a socket")
-        if _socket_is_live(path):
+        if socket_is_live(path):
             raise OSError(f"another agent is serving {path}")
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -263,7 +260,8 @@ def _bind_unix(path: Path) -> socket.socket:
     return sock
 
 
-def _socket_is_live(path: Path) -> bool:
+def socket_is_live(path: Path) -> bool:
+    """Whether an agent is serving the control socket at ``path``."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))

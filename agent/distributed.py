@@ -72,6 +72,13 @@ def broadcast_from_main(value: T) -> T:
     return box[0]  # type: ignore[return-value]
 
 
+def all_reduce_max_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum over ranks, in place (on the training device)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size (0, 1 outside torchrun)."""
     if dist.is_initialized():

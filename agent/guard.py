@@ -33,10 +33,11 @@ from torch import nn
 
 from .checkpoint import CheckpointMeta, CheckpointStore, snapshot
 from .commands import CommandRunner
-from .config import Config
+from .config import Config, ConfigError
 from .control import ControlServer
 from .distributed import (
     all_gather_objects,
+    all_reduce_max_tensor,
     all_reduce_sum,
     broadcast_objects,
     control_group,
@@ -46,6 +47,7 @@ from .progress import ProgressDisplay, make_progress
 from .protocol import SOCKET_NAME, Target
 from .rng import capture_rng, restore_rng
 from .rundir import RunDirectory, package_versions
+from .telemetry import Telemetry
 
 log = logging.getLogger("lossguard.agent")
 
@@ -59,7 +61,12 @@ class Stateful(Protocol):
 
 
 class RestoreError(RuntimeError):
-    """A checkpoint could not be restored; the message names it and why."""
+    """A checkpoint could not be restored; the message names it and why. ``not_found``: no
+    usable checkpoint matched the target."""
+
+    def __init__(self, message: str, *, not_found: bool = False) -> None:
+        super().__init__(message)
+        self.not_found = not_found
 
 
 def device_description(device: torch.device) -> dict[str, Any]:
@@ -87,6 +94,22 @@ def weights_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def _skips_on_device(
+    optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None
+) -> bool:
+    """A fused optimizer skips a step on a device flag (``found_inf``) without a host sync;
+    with a GradScaler, the scaler already skips non-finite steps itself."""
+    if optimizer is None or scaler is not None:
+        return False
+    if optimizer.defaults.get("fused"):
+        return True
+    log.warning(
+        "the optimizer is not fused: non-finite steps are counted but their updates cannot be "
+        "skipped without a host sync (use e.g. torch.optim.AdamW(..., fused=True))"
+    )
+    return False
+
+
 class Guard:
     """Accounting, gradient norm, metrics, checkpoints and control for a training loop."""
 
@@ -102,6 +125,7 @@ class Guard:
         ema: nn.Module | None = None,
         config: Config | None = None,
         progress: bool = True,
+        flops_per_token: float | None = None,
     ) -> None:
         self.config = config if config is not None else Config()
         train = self.config.train
@@ -130,20 +154,40 @@ class Guard:
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
         self._last_saved_step: int | None = None
+        self._save_due = False
         self._nonfinite_checkpoint_taken = False
         self._signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._reset_interval()
 
         self.path = Path(run_dir)
+        self.run_id = self.config.run.id or self.path.name
         self.run_dir: RunDirectory | None = None
         self.checkpoints: CheckpointStore | None = None
         self.control: ControlServer | None = None
         self._display: ProgressDisplay | None = None
         self._group = control_group()
         self.commands = CommandRunner(self)
+        self.telemetry: Telemetry | None = None
+        self._skipped = torch.zeros((), device=self.device)
+        self._can_skip = _skips_on_device(optimizer, scaler)
+        if self.config.telemetry.enabled:
+            self.telemetry = Telemetry(
+                self.config,
+                model=model,
+                device=self.device,
+                rank=self.rank,
+                world_size=self.world_size,
+                run_id=self.run_id,
+                flops_per_token=flops_per_token or 6.0 * sum(p.numel() for p in self._params),
+                group=self._group,
+            )
+            for signal_name, detector in self.telemetry.detectors.items():
+                self.state[f"spikes/{signal_name}"] = detector
+        self.wandb: Any = None
         if self.rank == 0:
             self.run_dir = RunDirectory(self.path)
+            self.control = self._start_control()  # fails before any file is written
             self.run_dir.write_config(self.config.resolved())
             self.run_dir.write_env(device_description(self.device), self.world_size)
             self.checkpoints = CheckpointStore(
@@ -152,7 +196,19 @@ class Guard:
                 config_hash=self.config.digest(),
                 versions=package_versions(),
             )
-            self.control = self._start_control()
+            if self.telemetry is not None:
+                socket_path = self.control.socket_path if self.control else None
+                self.telemetry.write_discovery(self.path, self.run_id, socket_path)
+            if self.config.wandb.enabled:
+                from .wandb_logger import WandbLogger
+
+                self.wandb = WandbLogger(
+                    self.config.wandb,
+                    run_id=self.run_id,
+                    run_dir=self.path,
+                    config=self.config.resolved(),
+                    resume=True,
+                )
             if progress:
                 self._display = make_progress(self.max_steps, self.step)
             self.event(
@@ -187,12 +243,20 @@ class Guard:
         gradient norm. Returns the pre-clip norm as a device tensor; nothing is synced."""
         if self.scaler is not None and self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
+        if self.telemetry is not None:  # sampled steps only: FP8 health, gradient diagnostics
+            for record in self.telemetry.collect_samples(self.step + 1):
+                self._emit(record, display=False)
         if self.grad_clip is not None:
             norm = nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=True)
         else:
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = nn.utils.get_total_norm(grads, foreach=True)
         norm = norm.detach().float()
+        if self.telemetry is not None:
+            bad = self.telemetry.on_step(loss, norm)
+            if self._can_skip and self.config.telemetry.skip_nonfinite:
+                self.optimizer.found_inf = bad.float()  # type: ignore[union-attr]
+                self._skipped += bad
         self._loss_sum += loss.detach().float()
         self._grad_norm_last = norm
         self._grad_norm_max = torch.maximum(self._grad_norm_max, norm)
@@ -200,21 +264,26 @@ class Guard:
         return norm
 
     def end_step(self) -> None:
-        """Close the optimizer step; at each log interval, sync once and write the metrics;
-        take the periodic checkpoint."""
+        """Close the optimizer step; at each log interval, sync once and write the metrics."""
         self.step += 1
         self._interval_steps += 1
         self._interval_tokens += self._pending_tokens
         self._pending_tokens = 0
+        if self.telemetry is not None:
+            self.telemetry.step_done(self.step)
+            self.telemetry.sampling(self.step + 1)
         if self.step % self.log_every == 0 or self.step == self.max_steps:
             self._log_interval()
         every = self.config.checkpoint.every
-        if every is not None and self.step % every == 0:
-            self.save("periodic")
+        self._save_due = every is not None and self.step % every == 0
 
     def poll(self) -> None:
-        """Apply queued control commands and stop signals at this step boundary. While the run
-        is paused this blocks, still serving commands, until resumed or stopped."""
+        """At this step boundary: take the periodic checkpoint (after any evaluation of this
+        step, so it carries the val loss), then apply control commands and stop signals. While
+        the run is paused this blocks, still serving commands, until resumed or stopped."""
+        if self._save_due:
+            self._save_due = False
+            self.save("periodic")
         while True:
             commands, signalled = self.commands.gather(wait=self.paused)
             if signalled and not self.stop_requested:
@@ -228,6 +297,8 @@ class Guard:
     def record_eval(self, val_loss: float, **extra: float) -> None:
         """Log a validation result (already reduced over ranks) at the current step."""
         self.last_val = (self.step, val_loss)
+        if self.telemetry is not None:
+            self.telemetry.publish_eval(val_loss)
         record: dict[str, Any] = {
             "kind": "eval",
             "step": self.step,
@@ -243,15 +314,20 @@ class Guard:
     def _log_interval(self) -> None:
         if self._interval_steps == 0:
             return
-        stats = torch.stack(
+        summed = torch.stack(
             [
                 self._loss_sum,
                 self._grad_norm_last,
                 self._grad_norm_max,
                 torch.tensor(float(self._interval_tokens), device=self.device),
+                self._skipped,
             ]
         ).double()
-        loss_sum, norm_last, norm_max, tokens = all_reduce_sum(stats).tolist()  # the one sync
+        parts = [all_reduce_sum(summed)]
+        if self.telemetry is not None:  # flags: the worst rank wins, so every rank agrees
+            parts.append(all_reduce_max_tensor(self.telemetry.stats()))
+        values = torch.cat(parts).tolist()  # the one sync
+        loss_sum, norm_last, norm_max, tokens, skipped = values[:5]
         elapsed = time.perf_counter() - self._interval_start
         steps = self._interval_steps
         self.tokens_total += int(tokens)
@@ -271,6 +347,12 @@ class Guard:
         data = self.state.get("data")
         if data is not None and hasattr(data, "position"):
             record["data_position"] = int(data.position)
+        if self.scaler is not None:
+            record["loss_scale"] = float(self.scaler.get_scale())
+        record["skipped_steps"] = int(skipped / self.world_size)
+        if self.telemetry is not None:
+            self.telemetry.publish(record, values[5:], float(self._interval_tokens), elapsed)
+            self.telemetry.publish_skipped(record["skipped_steps"])
         self._emit(record)
         self._reset_interval()
         if not math.isfinite(loss_sum) and not self._nonfinite_checkpoint_taken:
@@ -282,11 +364,14 @@ class Guard:
             return None
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _emit(self, record: dict[str, Any]) -> None:
-        self.last_record = record
+    def _emit(self, record: dict[str, Any], *, display: bool = True) -> None:
+        if display:
+            self.last_record = record
         if self.run_dir is not None:
             self.run_dir.metrics.append(record)
-        if self._display is not None:
+        if self.wandb is not None:
+            self.wandb.log(record)
+        if display and self._display is not None:
             self._display.update(record)
 
     def event(self, kind: str, /, **fields: Any) -> None:
@@ -298,10 +383,12 @@ class Guard:
     # ----------------------------------------------------------------- checkpoints
 
     def _healthy_now(self) -> bool:
-        """False when the current interval or the last logged one saw a non-finite loss."""
+        """False inside a spike episode, or when the current interval or the last logged one
+        saw a non-finite loss (DESIGN.md ``last_good``)."""
         interval_finite = bool(torch.isfinite(self._loss_sum).item())
         last = self.last_train_loss
-        return interval_finite and (last is None or math.isfinite(last))
+        in_episode = self.telemetry is not None and self.telemetry.episode_active()
+        return interval_finite and (last is None or math.isfinite(last)) and not in_episode
 
     def checkpoint_payload(self) -> dict[str, Any]:
         """Everything a bit-exact resume needs. Collective under torchrun (RNG of every rank)."""
@@ -341,8 +428,14 @@ class Guard:
             "val_loss": val,
         }
         started = time.perf_counter()
+        if self.telemetry is not None:
+            self.telemetry.checkpoint_started()
 
         def finished(result: CheckpointMeta | BaseException) -> None:
+            if self.telemetry is not None:
+                ok = not isinstance(result, BaseException)
+                seconds = time.perf_counter() - started if ok else None
+                self.telemetry.checkpoint_finished(seconds, store.named())
             if isinstance(result, BaseException):
                 log.error("checkpoint at step %d failed: %s", payload["step"], result)
                 self.event("checkpoint_failed", reason=reason, error=str(result))
@@ -372,35 +465,46 @@ class Guard:
 
     def restore(self, target: Target, *, skip_batches: int = 0) -> dict[str, Any]:
         """Load a checkpoint into every registered state on every rank; then skip batches.
-        Returns what was restored: checkpoint name and step."""
+        Returns what was restored: checkpoint name and step. A checkpoint that cannot be
+        loaded raises RestoreError and changes nothing; one that fails halfway through being
+        applied stops training (its state would be a mix)."""
+        data = self.state.get("data")
+        if skip_batches and (data is None or not hasattr(data, "skip")):
+            raise RestoreError("skip_batches needs registered data with a skip() method")
         loaded: list[Any] = [None]
         if self.checkpoints is not None:
             self.checkpoints.wait()
             try:
                 meta, payload = self.checkpoints.load(target)
-                loaded = [{"meta": meta.to_dict(), "payload": payload}]
+                loaded = [{"meta": meta, "payload": payload}]
             except Exception as exc:
                 loaded = [f"{exc}"]
-            else:  # the checkpoints after it belong to the timeline we are leaving
-                left = self.checkpoints.supersede_after(meta)
-                if left:
-                    self.event("superseded", checkpoints=left, restored=meta.name)
         loaded = broadcast_objects(loaded, self._group)
         if isinstance(loaded[0], str):
-            raise RestoreError(loaded[0])
-        meta_dict, payload = loaded[0]["meta"], loaded[0]["payload"]
-        self._apply_payload(payload)
-        data = self.state.get("data")
-        if skip_batches:
-            if data is None or not hasattr(data, "skip"):
-                raise RestoreError("skip_batches needs registered data with a skip() method")
-            data.skip(skip_batches)
-        return {"checkpoint": meta_dict["name"], "step": int(payload["step"])}
-
-    def _apply_payload(self, payload: dict[str, Any]) -> None:
+            raise RestoreError(loaded[0], not_found=True)
+        meta, payload = loaded[0]["meta"], loaded[0]["payload"]
         missing = sorted(set(self.state) - set(payload["state"]))
         if missing:
-            raise RestoreError(f"checkpoint has no state for {', '.join(missing)}")
+            raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
+        try:
+            self._apply_payload(payload)
+        except Exception as exc:
+            self.stop_requested = True
+            raise RestoreError(
+                f"{meta.name} failed halfway ({exc}); training stops to protect the run"
+            ) from exc
+        if skip_batches:
+            data.skip(skip_batches)  # type: ignore[union-attr]
+        self.last_train_loss = meta.train_loss
+        self.last_val = (meta.step, meta.val_loss) if meta.val_loss is not None else None
+        self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
+        if self.checkpoints is not None:  # later checkpoints belong to the timeline we left
+            left = self.checkpoints.supersede_after(meta)
+            if left:
+                self.event("superseded", checkpoints=left, restored=meta.name)
+        return {"checkpoint": meta.name, "step": int(payload["step"])}
+
+    def _apply_payload(self, payload: dict[str, Any]) -> None:
         for name, obj in self.state.items():
             obj.load_state_dict(payload["state"][name])
         rng = payload["rng"]
@@ -409,7 +513,11 @@ class Guard:
         self.tokens_total = int(payload["tokens"])
         self.lr_scale = float(payload["lr_scale"])
         self._last_saved_step = self.step
+        self._save_due = False
         self._reset_interval()
+        if self.telemetry is not None:  # counters count on from the restored totals
+            stats = self.telemetry.stats().tolist()
+            self.telemetry.resync_totals(stats, float(self._skipped.item()))
 
     def set_lr_scale(self, scale: float) -> None:
         """Multiply the learning rate by ``scale`` relative to the schedule, from now on."""
@@ -437,12 +545,16 @@ class Guard:
         if cfg.tcp is not None:
             host, _, port = cfg.tcp.rpartition(":")
             tcp = (host, int(port))
-        server = ControlServer(
-            socket_path=self.path / SOCKET_NAME if cfg.socket else None,
-            tcp=tcp,
-            token=os.environ.get(cfg.token_env) if tcp else None,
-            on_reject=self._record_rejected,
-        )
+        try:
+            server = ControlServer(
+                socket_path=self.path / SOCKET_NAME if cfg.socket else None,
+                tcp=tcp,
+                token=os.environ.get(cfg.token_env) if tcp else None,
+                on_reject=self._record_rejected,
+            )
+        except OSError as exc:
+            where = "control.tcp" if tcp and "socket" not in str(exc) else "control.socket"
+            raise ConfigError(f"{where}: {exc}") from None
         server.start()
         return server
 
@@ -481,6 +593,10 @@ class Guard:
             self.checkpoints.wait()
         if self.control is not None:
             self.control.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self._display is not None:
             self._display.close()
             self._display = None

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import Config, ConfigError
+from .control import socket_is_live
 from .data import Batch, BatchSampler, load_data
 from .distributed import (
     all_reduce_sum,
@@ -26,11 +27,13 @@ from .distributed import (
     setup_distributed,
     teardown_distributed,
 )
+from .faults import FaultSchedule, crash, hang, scaled_activations, scaled_lr, slow
+from .flops import flops_per_token
 from .guard import Guard
 from .model import GPT
 from .optim import build_ema, build_optimizer, build_scheduler
 from .precision import autocast, convert_to_fp8, make_grad_scaler
-from .protocol import Target
+from .protocol import SOCKET_NAME, Target
 
 log = logging.getLogger("lossguard.agent")
 
@@ -107,6 +110,11 @@ class Trainer:
             )
         if not exists and resume is not None:
             raise ConfigError(f"run.id: no run directory {self.run_path} to resume")
+        if resume is not None and socket_is_live(self.run_path / SOCKET_NAME):
+            raise ConfigError(
+                f"run.id: {self.run_path} is still running (its control socket answers); "
+                "stop it before resuming"
+            )
         seed_everything(cfg.run.seed)
 
         cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"
@@ -132,7 +140,7 @@ class Trainer:
         self.raw_model.to(self.device)
         torch.manual_seed(cfg.run.seed + self.dist.rank)  # dropout differs across ranks
         self.ema = build_ema(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-        self.optimizer = build_optimizer(self.raw_model, cfg.train, self.device)
+        self.optimizer = build_optimizer(self.raw_model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.scaler = make_grad_scaler(cfg.precision.dtype, self.device)
         model: nn.Module = self.raw_model
@@ -142,6 +150,7 @@ class Trainer:
             ids = [self.dist.local_rank] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
         self.model = model
+        self.faults = FaultSchedule(cfg.faults, cfg.run.seed)
         self.early_stopping = (
             EarlyStopping(
                 cfg.train.early_stopping.patience,
@@ -161,6 +170,13 @@ class Trainer:
             ema=self.ema,
             config=cfg,
             progress=progress,
+            flops_per_token=flops_per_token(
+                self.raw_model.num_params(),
+                cfg.model.n_layer,
+                cfg.model.n_head,
+                cfg.model.n_embd // cfg.model.n_head,
+                cfg.model.block_size,
+            ),
         )
         if self.early_stopping is not None:
             self.guard.register("early_stopping", self.early_stopping)
@@ -201,28 +217,56 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_step(self) -> None:
-        """One optimizer step over ``grad_accum`` micro-batches."""
-        accum = self.cfg.train.grad_accum
-        step_loss = torch.zeros((), device=self.device)
-        for micro, batch in enumerate(self.sampler.next_step()):
-            x, y = self._to_device(batch)
-            with self._micro_step_context(micro):
-                with autocast(self.cfg.precision.dtype, self.device):
-                    _, loss = self.model(x, y)
-                loss = loss / accum
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            step_loss += loss.detach()
+        """One optimizer step over ``grad_accum`` micro-batches (perturbed by active faults)."""
+        step = self.guard.step + 1
+        faults = {f.kind: f for f in self.faults.active(step)}
+        for fault in faults.values():
+            if fault.step == step:
+                self.guard.event("fault", kind=fault.kind, duration=fault.duration)
+        if "crash" in faults:
+            crash(step)
+        if "hang" in faults:
+            hang()
+        if "slow_step" in faults:
+            slow(faults["slow_step"].seconds)
+        batches = self.sampler.next_step()
+        if "corrupt_batch" in faults:
+            batches = self.faults.corrupt(batches, step, self.data.vocab_size)
+        activations = faults.get("scale_activations")
+        with (
+            scaled_activations(self.raw_model, activations.factor)
+            if activations
+            else (contextlib.nullcontext())
+        ):
+            step_loss = self._forward_backward(batches, nonfinite="nonfinite_loss" in faults)
         self.guard.after_backward(step_loss, tokens=self.sampler.tokens_per_step)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        lr_fault = faults.get("lr_scale")
+        with scaled_lr(self.optimizer, lr_fault.factor) if lr_fault else contextlib.nullcontext():
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update_parameters(self.raw_model)
         self.guard.end_step()
+
+    def _forward_backward(self, batches: list[Batch], *, nonfinite: bool) -> torch.Tensor:
+        accum = self.cfg.train.grad_accum
+        step_loss = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(batches):
+            x, y = self._to_device(batch)
+            with self._micro_step_context(micro):
+                with autocast(self.cfg.precision.dtype, self.device):
+                    _, loss = self.model(x, y)
+                loss = loss / accum
+                if nonfinite:
+                    loss = loss * float("nan")
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            step_loss += loss.detach()
+        return step_loss
 
     @torch.no_grad()
     def _val_loss(self, model: nn.Module) -> float:
@@ -245,15 +289,13 @@ class Trainer:
         return result
 
     def fit(self) -> FitResult:
-        """Train to ``train.max_steps`` or until early stopping; evaluates at step 0 too."""
+        """Train to ``train.max_steps``, until early stopping, or until stopped. Evaluates at
+        the start, every ``eval_every`` steps and at the end, before the step boundary's
+        ``poll`` (so a checkpoint of that step carries its val loss)."""
         train = self.cfg.train
         stop_reason = "max_steps"
         best = math.inf
         while True:
-            self.guard.poll()
-            if self.guard.stop_requested:
-                stop_reason = "stopped"
-                break
             step = self.guard.step
             if step % train.eval_every == 0 or step == train.max_steps:
                 metrics = self.evaluate()
@@ -264,9 +306,14 @@ class Trainer:
                     stop_reason = "early_stopping"
                     log.info("early stopping at step %d: best val_loss %.4f", step, best)
                     break
-            if step >= train.max_steps:
+            self.guard.poll()
+            if self.guard.stop_requested:
+                stop_reason = "stopped"
                 break
-            self.train_step()
+            if self.guard.step >= train.max_steps:
+                break
+            if self.guard.step == step:
+                self.train_step()
         self.guard.finish()
         return FitResult(self.guard.step, stop_reason, self.run_path, best)
 

@@ -18,12 +18,13 @@ from lossguard.agent.config import Config, parse_config
 REPO = Path(__file__).resolve().parent.parent
 
 
-def tiny_settings(runs: Path, cache: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+def tiny_settings(runs: Path, cache: Path, **sections: Any) -> dict[str, Any]:
     """A config dict for a model small enough to train in seconds on 2 CPU cores."""
     data: dict[str, Any] = {
         "run": {"dir": str(runs), "id": "tiny", "seed": 7, "device": "cpu"},
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
         "data": {"kind": "text", "max_bytes": 400_000, "cache_dir": str(cache)},
+        "telemetry": {"host": "127.0.0.1", "port": 0},
         "train": {
             "max_steps": 20,
             "batch_size": 8,
@@ -35,7 +36,7 @@ def tiny_settings(runs: Path, cache: Path, **sections: dict[str, Any]) -> dict[s
         },
     }
     for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
+        data[name] = {**data.get(name, {}), **values} if isinstance(values, dict) else values
     return data
 
 

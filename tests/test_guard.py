@@ -12,7 +12,12 @@ from torch import nn
 
 from lossguard.agent import Guard
 from lossguard.agent.checkpoint import CheckpointStore, is_superseded
-from lossguard.agent.config import parse_config
+from lossguard.agent.config import Config, parse_config
+
+
+def guard_config(**sections: dict) -> Config:
+    """A config for a user's loop, its exporter on any free local port."""
+    return parse_config({"telemetry": {"host": "127.0.0.1", "port": 0}, **sections})
 
 
 def grad_norm(model: nn.Module) -> torch.Tensor:
@@ -26,7 +31,7 @@ def user_loop(run_dir: Path, steps: int, **train: object) -> tuple[Guard, list[f
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    cfg = parse_config({"train": {"max_steps": steps, **train}})
+    cfg = guard_config(train={"max_steps": steps, **train})
     guard = Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False)
     norms: list[float] = []
     x = torch.randn(64, 8)
@@ -67,7 +72,7 @@ def test_user_loop_gets_accounting_and_a_metrics_log(tmp_path: Path) -> None:
 def test_gradient_norm_is_taken_before_clipping(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    cfg = parse_config({"train": {"grad_clip": 0.01, "max_steps": 1}})
+    cfg = guard_config(train={"grad_clip": 0.01, "max_steps": 1})
     guard = Guard(tmp_path, model=model, config=cfg, progress=False)
     (model(torch.randn(16, 4)) * 100).sum().backward()
     before = grad_norm(model)
@@ -93,7 +98,7 @@ def test_host_reads_happen_once_per_log_interval(
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    cfg = parse_config({"train": {"max_steps": 30, "log_every": 10}})
+    cfg = guard_config(train={"max_steps": 30, "log_every": 10})
     guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
     x = torch.randn(8, 4)
     for _ in range(30):
@@ -109,8 +114,10 @@ def test_first_nonfinite_loss_leaves_one_unhealthy_checkpoint(tmp_path: Path) ->
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    cfg = parse_config(
-        {"train": {"max_steps": 30, "log_every": 5}, "checkpoint": {"every": 4, "keep_last": 50}}
+    cfg = guard_config(
+        train={"max_steps": 30, "log_every": 5},
+        checkpoint={"every": 4, "keep_last": 50},
+        telemetry={"host": "127.0.0.1", "port": 0, "spikes": {"recover_steps": 3}},
     )
     x = torch.randn(8, 4)
     with Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False) as guard:
@@ -131,6 +138,7 @@ def test_first_nonfinite_loss_leaves_one_unhealthy_checkpoint(tmp_path: Path) ->
     assert nonfinite == [10]  # logged at the interval that saw step 7; once only
     assert metas[10]["healthy"] is False
     assert metas[8]["healthy"] is False  # step 8's save came inside that interval
+    assert metas[16]["healthy"] is False  # the episode from step 13 has not recovered yet
     assert metas[4]["healthy"] is True and metas[20]["healthy"] is True
     assert metas[30]["reason"] == "final" and metas[30]["healthy"] is True
 
@@ -139,11 +147,9 @@ def test_after_a_rollback_latest_leaves_the_abandoned_timeline(tmp_path: Path) -
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    cfg = parse_config(
-        {
-            "train": {"max_steps": 20, "log_every": 5},
-            "checkpoint": {"every": 5, "keep_last": 50, "save_on_exit": False},
-        }
+    cfg = guard_config(
+        train={"max_steps": 20, "log_every": 5},
+        checkpoint={"every": 5, "keep_last": 50, "save_on_exit": False},
     )
     guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
     x = torch.randn(8, 4)
@@ -153,6 +159,7 @@ def test_after_a_rollback_latest_leaves_the_abandoned_timeline(tmp_path: Path) -
         opt.step()
         opt.zero_grad()
         guard.end_step()
+        guard.poll()
     assert guard.restore(10) == {"checkpoint": "step_00000010", "step": 10}
     guard.close()  # and the process dies before its next checkpoint
 

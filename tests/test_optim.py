@@ -15,7 +15,8 @@ from lossguard.agent.trainer import EarlyStopping
 
 def test_no_weight_decay_on_norms_biases_and_embeddings() -> None:
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=8), vocab_size=64)
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    assert opt.defaults["fused"] is True
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     names = {id(p): n for n, p in model.named_parameters()}
