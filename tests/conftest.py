@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from lossguard.agent.config import Config, parse_config
@@ -67,6 +68,23 @@ def run_cli(*args: str, timeout: float = 240, **env: str) -> subprocess.Complete
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
         check=False,
     )
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+
+def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, record every call that reads a tensor to the host (a device sync)."""
+    reads: list[str] = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *args: Any, _original=original, _name=name, **kw: Any) -> Any:
+            reads.append(_name)
+            return _original(self, *args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    return reads
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.005):

@@ -15,6 +15,8 @@ from lossguard.agent.fp8_health import STATS, TENSORS, Fp8Health
 from lossguard.agent.model import GPT, Block
 from lossguard.agent.precision import convert_to_fp8
 
+from .conftest import count_host_reads
+
 CFG = ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
 VOCAB = 256
 Recipe = Literal["tensorwise", "rowwise"]
@@ -113,15 +115,7 @@ def test_collect_reads_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
     health = Fp8Health(model, "tensorwise")
     health.arm()
     step(model, seed=1)
-    reads: list[str] = []
-    for name in ("tolist", "item"):
-        original = getattr(torch.Tensor, name)
-
-        def read(self: torch.Tensor, _original=original, _name=name):
-            reads.append(_name)
-            return _original(self)
-
-        monkeypatch.setattr(torch.Tensor, name, read)
+    reads = count_host_reads(monkeypatch)
     assert health.collect() is not None
     assert reads == ["tolist"]
 

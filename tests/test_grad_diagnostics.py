@@ -11,6 +11,8 @@ from torch import nn
 from lossguard.agent.config import GradDiagnosticsConfig
 from lossguard.agent.grad_diagnostics import GradDiagnostics
 
+from .conftest import count_host_reads
+
 DEAD = 4  # neurons of fc1 whose bias keeps them below zero for every input
 
 
@@ -36,20 +38,6 @@ def mlp() -> MLP:
 def grad(param: torch.Tensor) -> torch.Tensor:
     assert param.grad is not None
     return param.grad
-
-
-def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record every Tensor.tolist and Tensor.item call from now on."""
-    reads: list[str] = []
-    for name in ("tolist", "item"):
-        original = getattr(torch.Tensor, name)
-
-        def read(self: torch.Tensor, _original=original, _name=name):
-            reads.append(_name)
-            return _original(self)
-
-        monkeypatch.setattr(torch.Tensor, name, read)
-    return reads
 
 
 def backward(model: nn.Module) -> None:

@@ -14,6 +14,8 @@ from lossguard.agent import Guard
 from lossguard.agent.checkpoint import CheckpointStore, is_superseded
 from lossguard.agent.config import Config, parse_config
 
+from .conftest import count_host_reads
+
 
 def guard_config(**sections: dict) -> Config:
     """A config for a user's loop, its exporter on any free local port."""
@@ -86,15 +88,7 @@ def test_host_reads_happen_once_per_log_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The hot path leaves values on the device: only the log interval reads them."""
-    reads: list[str] = []
-    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self: torch.Tensor, *a: object, _orig=original, _name=name) -> object:
-            reads.append(_name)
-            return _orig(self, *a)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads = count_host_reads(monkeypatch)
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

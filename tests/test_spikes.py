@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossguard.agent.config import SpikeConfig
 from lossguard.agent.spikes import STAT_FIELDS, SpikeDetector
+
+from .conftest import count_host_reads
 
 SMALL = {"window": 16, "min_history": 4, "recover_steps": 3}
 CPU = torch.device("cpu")
@@ -300,19 +302,7 @@ def noisy_signal(n: int) -> Iterator[torch.Tensor]:
 def test_update_never_syncs_with_the_host(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     detector = SpikeDetector(small(mode=mode), CPU)
     values = list(noisy_signal(200))
-    calls: list[str] = []
-
-    def counting(name: str) -> Callable[..., Any]:
-        original = getattr(torch.Tensor, name)
-
-        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    calls = count_host_reads(monkeypatch)
     with OpLog() as log:
         for value in values:
             detector.update(value)

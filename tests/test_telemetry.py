@@ -41,6 +41,16 @@ def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return found
 
 
+def train_and_scrape(cfg: Config) -> tuple[Trainer, str]:
+    """Train to the end, then scrape the still-running exporter."""
+    trainer = Trainer(cfg, progress=False)
+    try:
+        trainer.fit()
+        return trainer, scrape(trainer.run_path)
+    finally:
+        trainer.close()
+
+
 def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
@@ -89,12 +99,7 @@ def test_live_scrape_has_every_catalogue_metric_and_promtool_is_clean(
     assert info["run_id"] == "tiny" and info["socket"].endswith("control.sock")
 
     fp16 = config(tmp_path / "fp16", corpus_cache, precision={"dtype": "fp16"})
-    trainer = Trainer(fp16, progress=False)
-    try:
-        trainer.fit()
-        text = scrape(trainer.run_path)
-    finally:
-        trainer.close()
+    trainer, text = train_and_scrape(fp16)
     assert promtool_findings(text) == ""
     assert samples(text)["lossguard_amp_loss_scale"][0][1] > 0
 
@@ -109,12 +114,7 @@ def test_mfu_and_throughput_match_an_independent_computation(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
     cfg = config(tmp_path, corpus_cache, train={"max_steps": 20, "log_every": 5, "grad_accum": 2})
-    trainer = Trainer(cfg, progress=False)
-    try:
-        trainer.fit()
-        text = scrape(trainer.run_path)
-    finally:
-        trainer.close()
+    trainer, text = train_and_scrape(cfg)
     m = cfg.model
     n_params = GPT(m, 256).num_params(non_embedding=False) - m.block_size * m.n_embd
     per_token = 6 * n_params + 12 * m.n_layer * m.n_head * (m.n_embd // m.n_head) * m.block_size
@@ -138,12 +138,7 @@ SPIKE_RUN = {"batch_size": 32, "log_every": 10, "eval_every": 100_000, "schedule
 def test_lr_fault_makes_a_detected_spike_that_recovers(tmp_path: Path, corpus_cache: Path) -> None:
     fault = {"kind": "lr_scale", "step": 500, "duration": 5, "factor": 15.0}
     cfg = config(tmp_path, corpus_cache, train={"max_steps": 600, **SPIKE_RUN}, faults=[fault])
-    trainer = Trainer(cfg, progress=False)
-    try:
-        trainer.fit()
-        text = scrape(trainer.run_path)
-    finally:
-        trainer.close()
+    trainer, text = train_and_scrape(cfg)
     train = {r["step"]: r for r in records(trainer.run_path, "train")}
     assert all(train[s]["loss_spikes_total"] == 0 for s in train if s < 500)
     assert train[510]["loss_spike_active"] is True and train[510]["loss_spikes_total"] == 1
@@ -157,12 +152,7 @@ def test_lr_fault_makes_a_detected_spike_that_recovers(tmp_path: Path, corpus_ca
 
 def test_clean_run_reports_no_spike_over_1000_steps(tmp_path: Path, corpus_cache: Path) -> None:
     cfg = config(tmp_path, corpus_cache, train={"max_steps": 1000, **SPIKE_RUN})
-    trainer = Trainer(cfg, progress=False)
-    try:
-        trainer.fit()
-        text = scrape(trainer.run_path)
-    finally:
-        trainer.close()
+    trainer, text = train_and_scrape(cfg)
     assert all(v == 0 for _, v in samples(text)["lossguard_spikes_total"])
     assert all(not r["loss_spike_active"] for r in records(trainer.run_path, "train"))
 
@@ -200,12 +190,7 @@ def test_fp8_activation_fault_raises_the_overflow_ratio(tmp_path: Path, corpus_c
         telemetry={"fp8": {"every": 1}},
         faults=[fault],
     )
-    trainer = Trainer(cfg, progress=False)
-    try:
-        trainer.fit()
-        text = scrape(trainer.run_path)
-    finally:
-        trainer.close()
+    trainer, text = train_and_scrape(cfg)
     fp8 = {r["step"]: r["worst"]["input"] for r in records(trainer.run_path, "fp8")}
     assert fp8[7]["overflow"] < 0.01
     assert fp8[8]["overflow"] > 0.3
