@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import requests
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -40,14 +43,9 @@ def bench_precision(cfg: Config, steps: int, warmup: int) -> BenchResult:
 
     trainer = Trainer(cfg, progress=False)
     try:
-        for _ in range(warmup):
-            trainer.train_step()
-        _synchronize(trainer.device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step()
-        _synchronize(trainer.device)
-        elapsed = time.perf_counter() - start
+        if warmup:
+            timed_block(trainer, warmup)
+        step_seconds = timed_block(trainer, steps)
     finally:
         trainer.close()
     return BenchResult(
@@ -55,7 +53,7 @@ def bench_precision(cfg: Config, steps: int, warmup: int) -> BenchResult:
         device=str(trainer.device),
         params=trainer.raw_model.num_params(),
         tokens_per_step=trainer.sampler.tokens_per_step * trainer.dist.world_size,
-        step_seconds=elapsed / steps,
+        step_seconds=step_seconds,
     )
 
 
@@ -138,6 +136,100 @@ def checkpoint_table(result: CheckpointBenchResult, repeats: int) -> Table:
         f"{result.stall_ratio:.3f}",
         f"{result.load_seconds:.3f}",
     )
+    return table
+
+
+@dataclass(frozen=True)
+class OverheadResult:
+    off_seconds: list[float]  # mean step time of each timed block, telemetry off
+    on_seconds: list[float]  # the same, telemetry fully on and scraped every second
+    steps: int
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.on_seconds) / statistics.median(self.off_seconds)
+
+
+class Scraper:
+    """Scrapes a metrics URL every ``interval`` seconds in a thread, as Prometheus would."""
+
+    def __init__(self, url: str, interval: float = 1.0) -> None:
+        self.url = url
+        self.interval = interval
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            requests.get(self.url, timeout=5).raise_for_status()
+            self.scrapes += 1
+
+    def __enter__(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def timed_block(trainer: Any, steps: int) -> float:
+    """Mean step time over ``steps`` steps, the device synchronised at both ends only."""
+    _synchronize(trainer.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    _synchronize(trainer.device)
+    return (time.perf_counter() - start) / steps
+
+
+def run_overhead_benchmark(cfg: Config, rounds: int, steps: int, warmup: int) -> OverheadResult:
+    """The same loop with telemetry off and fully on, interleaved (off-on, on-off, ...)."""
+    from .trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="lossguard-bench-") as scratch:
+        trainers = {}
+        for mode in ("off", "on"):
+            run = scratch_config(cfg, Path(scratch), f"bench-{mode}")
+            run.checkpoint.every = None
+            run.checkpoint.save_on_exit = False
+            run.train.max_steps = max(run.train.max_steps, warmup + rounds * steps + 1)
+            run.telemetry.enabled = mode == "on"
+            run.telemetry.host, run.telemetry.port = "127.0.0.1", 0
+            run.telemetry.grad_diagnostics.enabled = mode == "on"
+            trainers[mode] = Trainer(run, progress=False)
+        try:
+            telemetry = trainers["on"].guard.telemetry
+            assert telemetry is not None
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            with Scraper(telemetry.urls[0]):
+                for mode in ("off", "on"):
+                    timed_block(trainers[mode], warmup)
+                for block in range(rounds):
+                    order = ("off", "on") if block % 2 == 0 else ("on", "off")
+                    for mode in order:
+                        times[mode].append(timed_block(trainers[mode], steps))
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
+    return OverheadResult(times["off"], times["on"], steps)
+
+
+def overhead_table(result: OverheadResult) -> Table:
+    table = Table(
+        title=f"lossguard telemetry overhead ({len(result.on_seconds)} x {result.steps} steps each)"
+    )
+    for column in ("telemetry", "median step ms", "min", "max"):
+        table.add_column(column, justify="left" if column == "telemetry" else "right")
+    for mode, times in (("off", result.off_seconds), ("on + scraped 1/s", result.on_seconds)):
+        table.add_row(
+            mode,
+            f"{statistics.median(times) * 1e3:.2f}",
+            f"{min(times) * 1e3:.2f}",
+            f"{max(times) * 1e3:.2f}",
+        )
+    table.caption = f"on / off = {result.ratio:.4f}"
     return table
 
 

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure checkpoint save, async-save stall and load times instead",
     )
     bench.add_argument("--repeats", type=int, default=3, help="with --checkpoint (default 3)")
+    bench.add_argument(
+        "--overhead",
+        action="store_true",
+        help="compare step time with telemetry off and fully on (scraped every second)",
+    )
+    bench.add_argument("--rounds", type=int, default=20, help="with --overhead (default 20)")
     return parser
 
 
@@ -120,14 +126,20 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
 def _bench(args: argparse.Namespace, cfg: Config) -> int:
     from .bench import (
         checkpoint_table,
+        overhead_table,
         print_table,
         results_table,
         run_benchmark,
         run_checkpoint_benchmark,
+        run_overhead_benchmark,
     )
 
-    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
-        raise ConfigError("--steps and --repeats must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.rounds < 1:
+        raise ConfigError("--steps, --repeats and --rounds must be >= 1, --warmup >= 0")
+    if args.overhead:
+        result = run_overhead_benchmark(cfg, args.rounds, args.steps, args.warmup)
+        print_table(overhead_table(result))
+        return EXIT_OK
     if args.checkpoint:
         print_table(checkpoint_table(run_checkpoint_benchmark(cfg, args.repeats), args.repeats))
         return EXIT_OK

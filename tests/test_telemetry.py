@@ -4,6 +4,7 @@ faults and W&B."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -19,7 +20,7 @@ from lossguard.agent.metrics import CATALOGUE, NVML_METRICS, exposed_name
 from lossguard.agent.model import GPT
 from lossguard.agent.trainer import Trainer
 
-from .conftest import tiny_settings
+from .conftest import run_cli, start_agent, tiny_settings, wait_for, write_config
 
 
 def config(tmp_path: Path, cache: Path, **sections: Any) -> Config:
@@ -200,3 +201,59 @@ def test_fp8_activation_fault_raises_the_overflow_ratio(tmp_path: Path, corpus_c
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_slow_and_corrupt_batch_faults_perturb_the_real_run(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    faults = [
+        {"kind": "slow_step", "step": 21, "duration": 5, "seconds": 0.2},
+        {"kind": "corrupt_batch", "step": 31, "duration": 5},
+    ]
+    cfg = config(tmp_path, corpus_cache, train={"max_steps": 40, "log_every": 5}, faults=faults)
+    trainer, _ = train_and_scrape(cfg)
+    train = {r["step"]: r for r in records(trainer.run_path, "train")}
+    assert train[25]["step_time_seconds"] > 0.2 > train[20]["step_time_seconds"]
+    assert train[35]["train_loss"] > train[30]["train_loss"] + 1.0  # random tokens: ~ln(256)
+    kinds = [e["kind"] for e in _events(trainer.run_path) if e["event"] == "fault"]
+    assert kinds == ["slow_step", "corrupt_batch"]
+
+
+def test_hang_and_crash_faults_behave_like_the_real_thing(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    settings = tiny_settings(
+        tmp_path / "runs",
+        corpus_cache,
+        train={"max_steps": 100, "log_every": 1},
+        faults=[{"kind": "crash", "step": 8}],
+    )
+    crashed = run_cli("run", str(write_config(tmp_path / "crash.yaml", settings)))
+    assert crashed.returncode == 70 and "crashing at step 8" in crashed.stderr
+    run_dir = tmp_path / "runs/tiny"
+    assert max(r["step"] for r in records(run_dir, "train")) == 7
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+    settings["run"]["id"] = "hung"
+    settings["faults"] = [{"kind": "hang", "step": 8}]
+    hung = start_agent(write_config(tmp_path / "hang.yaml", settings))
+    try:
+        hung_dir = tmp_path / "runs/hung"
+        wait_for(lambda: _hang_event(hung_dir), 120, "the hang fault to start")
+        before = scrape(hung_dir)
+        beat = samples(before)["lossguard_last_step_timestamp_seconds"][0][1]
+        hung.send_signal(signal.SIGTERM)  # a hung loop never reaches poll(): no clean stop
+        assert wait_for(
+            lambda: samples(scrape(hung_dir))["lossguard_step"][0][1] == 7, 10, "a scrape"
+        )
+        assert samples(scrape(hung_dir))["lossguard_last_step_timestamp_seconds"][0][1] == beat
+        assert hung.poll() is None  # still alive, stalled, still scrapable
+    finally:
+        hung.kill()
+        hung.communicate()
+
+
+def _hang_event(run_dir: Path) -> bool:
+    return (run_dir / "events.jsonl").exists() and any(
+        e["event"] == "fault" and e["kind"] == "hang" for e in _events(run_dir)
+    )

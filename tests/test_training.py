@@ -188,3 +188,14 @@ def test_torchrun_two_ranks_match_one_process(tmp_path: Path, corpus_cache: Path
         assert a == pytest.approx(b, rel=1e-5), (kind, a, b)
     tokens = [r["tokens"] for r in records(runs / "ddp", "train")]
     assert tokens == [r["tokens"] for r in records(runs / "one", "train")]
+
+
+def test_bench_overhead_prints_the_ratio(tmp_path: Path, corpus_cache: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_settings(tmp_path / "runs", corpus_cache)))
+    args = ("--overhead", "--rounds", "2", "--steps", "2", "--warmup", "1")
+    result = run_cli("bench", str(cfg), *args)
+    assert result.returncode == 0, result.stderr
+    assert "on + scraped 1/s" in result.stdout
+    ratio = float(result.stdout.split("on / off = ")[1].split()[0])
+    assert 0.2 < ratio < 5.0
