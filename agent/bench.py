@@ -204,7 +204,7 @@ def run_overhead_benchmark(cfg: Config, rounds: int, steps: int, warmup: int) ->
             assert telemetry is not None
             times: dict[str, list[float]] = {"off": [], "on": []}
             with Scraper(telemetry.urls[0]):
-                for mode in ("off", "on"):
+                for mode in ("off", "on") if warmup else ():
                     timed_block(trainers[mode], warmup)
                 for block in range(rounds):
                     order = ("off", "on") if block % 2 == 0 else ("on", "off")

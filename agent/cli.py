@@ -111,8 +111,10 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
         return EXIT_FAILED
     try:
         result = trainer.fit()
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
     if trainer.dist.is_main:
         logging.getLogger("lossguard.agent").info(
             "done: %d steps (%s); run directory %s",

@@ -77,9 +77,7 @@ class CommandRunner:
                 **({"result": outcome} if message["ok"] else {"error": message["error"]}),
             )
             if self.guard.telemetry is not None and self.guard.rank == 0:
-                self.guard.telemetry.command_applied(
-                    request.cmd, message["ok"], paused=self.guard.paused
-                )
+                self.guard.telemetry.command_applied(request.cmd, message["ok"])
             if pending is not None:
                 pending.resolve(message)
 
@@ -173,11 +171,11 @@ class CommandRunner:
         return result
 
     def _pause(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
-        self.guard.paused = True
+        self.guard.set_paused(True)
         return {"step": self.guard.step, "paused": True}
 
     def _resume(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
-        self.guard.paused = False
+        self.guard.set_paused(False)
         return {"step": self.guard.step, "paused": False}
 
     def _set_lr_scale(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
@@ -197,7 +195,7 @@ class CommandRunner:
 
         guard.save(reason, wait=True, on_done=done)
         guard.stop_requested = True
-        guard.paused = False
+        guard.set_paused(False)
         log.info("stopping at step %d (%s)", guard.step, reason)
         if reply is not None:
             reply({"step": guard.step, "checkpoint": saved[0]})

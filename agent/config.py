@@ -27,7 +27,7 @@ def field_error(field: str, reason: str) -> PydanticCustomError:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -136,7 +136,9 @@ class CheckpointConfig(_Section):
         default=True, description="Save when training ends (stop and signals always save)."
     )
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False
+    )
 
 
 class ControlConfig(_Section):
@@ -274,6 +276,7 @@ _REASONS: dict[str, str] = {
     "list_type": "must be a list",
     "model_type": "must be a mapping of keys",
     "model_attributes_type": "must be a mapping of keys",
+    "finite_number": "must be a finite number",
 }
 
 _PATTERN_REASONS: dict[str, str] = {
@@ -338,7 +341,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         try:
             node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {override}: value is not valid YAML ({exc})") from None
+            problem = getattr(exc, "problem", None) or "invalid YAML"
+            raise ConfigError(f"--set {override}: value is not valid YAML ({problem})") from None
     return data
 
 

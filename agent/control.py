@@ -169,6 +169,8 @@ class ControlServer:
                 conn.settimeout(IDLE_TIMEOUT_S)
         except OSError:
             pass  # slow, vanished or reset peer: drop the connection
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("control connection failed")
         finally:
             conn.close()
             self._slots.release()

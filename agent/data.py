@@ -137,6 +137,8 @@ def load_data(cfg: DataConfig, cache_dir: Path, vocab_size: int | None) -> Token
     if cfg.kind == "tokens":
         assert cfg.path is not None  # guaranteed by DataConfig validation
         return open_token_dir(cfg.path, vocab_size or GPT2_PADDED_VOCAB_SIZE, str(cfg.path))
+    if vocab_size is not None and vocab_size < BYTE_VOCAB_SIZE:
+        raise DataError(f"model.vocab_size: must be >= {BYTE_VOCAB_SIZE} for byte-tokenised text")
     root = cfg.path if cfg.path is not None else stdlib_source_dir()
     folder = prepare_text_corpus(cfg, cache_dir)
     return open_token_dir(folder, vocab_size or BYTE_VOCAB_SIZE, f"text {root} (bytes)")

@@ -51,10 +51,12 @@ def setup_distributed(device_preference: str) -> DistInfo:
     return DistInfo(rank, world_size, local_rank, device)
 
 
-def teardown_distributed() -> None:
-    """Leave the process group together: a rank that destroys it early aborts under gloo."""
+def teardown_distributed(*, together: bool = True) -> None:
+    """Leave the process group: together (a barrier first: a rank that destroys it early
+    aborts under gloo), or alone after a failure, when the others may never arrive."""
     if dist.is_initialized():
-        dist.barrier()
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ every registered state (``register``), the data position and all RNG states.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -23,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Protocol
@@ -37,12 +38,14 @@ from .config import Config, ConfigError
 from .control import ControlServer
 from .distributed import (
     all_gather_objects,
+    all_reduce_max,
     all_reduce_max_tensor,
     all_reduce_sum,
     broadcast_objects,
     control_group,
     rank_and_world,
 )
+from .metrics import SIGNALS
 from .progress import ProgressDisplay, make_progress
 from .protocol import SOCKET_NAME, Target
 from .rng import capture_rng, restore_rng
@@ -90,8 +93,18 @@ def weights_digest(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(
+            tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        )
     return digest.hexdigest()
+
+
+DETECTOR_STATE = "spikes/"
+
+
+def _optional(state_name: str) -> bool:
+    """Detector state: a checkpoint without it (or from other settings) still restores."""
+    return state_name.startswith(DETECTOR_STATE)
 
 
 def _skips_on_device(
@@ -122,7 +135,7 @@ class Guard:
         scheduler: Stateful | None = None,
         data: Stateful | None = None,
         scaler: torch.amp.GradScaler | None = None,
-        ema: nn.Module | None = None,
+        ema: Stateful | None = None,
         config: Config | None = None,
         progress: bool = True,
         flops_per_token: float | None = None,
@@ -155,6 +168,8 @@ class Guard:
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
         self._last_saved_step: int | None = None
         self._save_due = False
+        self._state_mixed = False
+        self._seen_totals: dict[str, int] = {}
         self._nonfinite_checkpoint_taken = False
         self._signal: int | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -183,22 +198,12 @@ class Guard:
                 group=self._group,
             )
             for signal_name, detector in self.telemetry.detectors.items():
-                self.state[f"spikes/{signal_name}"] = detector
+                self.state[f"{DETECTOR_STATE}{signal_name}"] = detector
         self.wandb: Any = None
         if self.rank == 0:
+            continuing = (self.path / "config.yaml").exists()
             self.run_dir = RunDirectory(self.path)
-            self.control = self._start_control()  # fails before any file is written
-            self.run_dir.write_config(self.config.resolved())
-            self.run_dir.write_env(device_description(self.device), self.world_size)
-            self.checkpoints = CheckpointStore(
-                self.path / "checkpoints",
-                keep_last=self.config.checkpoint.keep_last,
-                config_hash=self.config.digest(),
-                versions=package_versions(),
-            )
-            if self.telemetry is not None:
-                socket_path = self.control.socket_path if self.control else None
-                self.telemetry.write_discovery(self.path, self.run_id, socket_path)
+            self.control = self._start_control()  # these fail before any file is written
             if self.config.wandb.enabled:
                 from .wandb_logger import WandbLogger
 
@@ -207,8 +212,22 @@ class Guard:
                     run_id=self.run_id,
                     run_dir=self.path,
                     config=self.config.resolved(),
-                    resume=True,
+                    resume=continuing,
                 )
+            self.run_dir.write_config(self.config.resolved())
+            self.run_dir.write_env(device_description(self.device), self.world_size)
+            self.checkpoints = CheckpointStore(
+                self.path / "checkpoints",
+                keep_last=self.config.checkpoint.keep_last,
+                config_hash=self.config.digest(),
+                versions=package_versions(),
+            )
+            self.run_dir.write_discovery(
+                run_id=self.run_id,
+                socket_path=self.control.socket_path if self.control else None,
+                metrics_urls=self.telemetry.urls if self.telemetry else [],
+                world_size=self.world_size,
+            )
             if progress:
                 self._display = make_progress(self.max_steps, self.step)
             self.event(
@@ -221,6 +240,19 @@ class Guard:
         self._install_signal_handlers()
 
     # ----------------------------------------------------------------- the per-step API
+
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """Time spent inside is not training (evaluation, a pause): it stays out of step
+        times, tokens/s and MFU."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self._interval_start += spent
+            if self.telemetry is not None:
+                self.telemetry.exclude(spent)
 
     def register(self, name: str, obj: Stateful) -> None:
         """Add state that checkpoints save and rollbacks restore (anything with state_dict)."""
@@ -253,10 +285,14 @@ class Guard:
             norm = nn.utils.get_total_norm(grads, foreach=True)
         norm = norm.detach().float()
         if self.telemetry is not None:
-            bad = self.telemetry.on_step(loss, norm)
-            if self._can_skip and self.config.telemetry.skip_nonfinite:
-                self.optimizer.found_inf = bad.float()  # type: ignore[union-attr]
-                self._skipped += bad
+            # Skip on the grad norm only: it is the same on every rank after DDP's all-reduce,
+            # so every replica skips the same steps (a rank's own loss is counted, not acted on).
+            norm_bad = self.telemetry.on_step(loss, norm)
+            if self.scaler is not None:
+                self._skipped += norm_bad  # the GradScaler skips these steps itself
+            elif self._can_skip and self.config.telemetry.skip_nonfinite:
+                self.optimizer.found_inf = norm_bad.float()  # type: ignore[union-attr]
+                self._skipped += norm_bad
         self._loss_sum += loss.detach().float()
         self._grad_norm_last = norm
         self._grad_norm_max = torch.maximum(self._grad_norm_max, norm)
@@ -285,7 +321,8 @@ class Guard:
             self._save_due = False
             self.save("periodic")
         while True:
-            commands, signalled = self.commands.gather(wait=self.paused)
+            with self.idle() if self.paused else contextlib.nullcontext():
+                commands, signalled = self.commands.gather(wait=self.paused)
             if signalled and not self.stop_requested:
                 self.event("signal", signal=self._signal_name())
                 self.commands.stop(reason="signal")
@@ -353,11 +390,27 @@ class Guard:
         if self.telemetry is not None:
             self.telemetry.publish(record, values[5:], float(self._interval_tokens), elapsed)
             self.telemetry.publish_skipped(record["skipped_steps"])
+            self._record_detections(record)
         self._emit(record)
         self._reset_interval()
         if not math.isfinite(loss_sum) and not self._nonfinite_checkpoint_taken:
             self._nonfinite_checkpoint_taken = True  # kept for post-mortem, marked unhealthy
             self.save("nonfinite", healthy=False)
+
+    def _record_detections(self, record: dict[str, Any]) -> None:
+        """Audit trail: a spike episode or a non-finite value seen in this interval."""
+        for signal_name in SIGNALS:
+            for kind in ("spikes", "nonfinite"):
+                key = f"{signal_name}_{kind}_total"
+                total, seen = record[key], self._seen_totals.get(key, 0)
+                if total > seen:
+                    self.event(
+                        kind.rstrip("s"),
+                        signal=signal_name,
+                        total=total,
+                        zscore=record[f"{signal_name}_zscore"],
+                    )
+                self._seen_totals[key] = total
 
     def learning_rate(self) -> float | None:
         if self.optimizer is None:
@@ -383,25 +436,27 @@ class Guard:
     # ----------------------------------------------------------------- checkpoints
 
     def _healthy_now(self) -> bool:
-        """False inside a spike episode, or when the current interval or the last logged one
-        saw a non-finite loss (DESIGN.md ``last_good``)."""
+        """This rank: false inside a spike episode, or when the current interval or the last
+        logged one saw a non-finite loss (DESIGN.md ``last_good``)."""
         interval_finite = bool(torch.isfinite(self._loss_sum).item())
         last = self.last_train_loss
         in_episode = self.telemetry is not None and self.telemetry.episode_active()
         return interval_finite and (last is None or math.isfinite(last)) and not in_episode
 
-    def checkpoint_payload(self) -> dict[str, Any]:
-        """Everything a bit-exact resume needs. Collective under torchrun (RNG of every rank)."""
-        rng = all_gather_objects(capture_rng(), self._group)
-        return {
+    def checkpoint_payload(self) -> tuple[dict[str, Any], bool]:
+        """Everything a bit-exact resume needs, and whether every rank is healthy now.
+        Collective under torchrun: the RNG states and health of all ranks are gathered."""
+        gathered = all_gather_objects((capture_rng(), self._healthy_now()), self._group)
+        payload = {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
             "tokens": self.tokens_total,
             "lr_scale": self.lr_scale,
             "world_size": self.world_size,
-            "rng": rng,
+            "rng": [rng for rng, _ in gathered],
             "state": {name: obj.state_dict() for name, obj in self.state.items()},
         }
+        return payload, all(healthy for _, healthy in gathered)
 
     def save(
         self,
@@ -413,12 +468,15 @@ class Guard:
     ) -> None:
         """Checkpoint now (rank 0 writes). Async unless ``checkpoint.async`` is off or ``wait``;
         ``on_done`` gets the meta or the error once the checkpoint is on disk."""
-        payload = self.checkpoint_payload()
+        if self._state_mixed:
+            log.error("not saving: a failed restore left the state mixed")
+            return
+        payload, all_healthy = self.checkpoint_payload()
         self._last_saved_step = self.step  # on every rank: finish() must agree on the collective
         if self.checkpoints is None:
             return
         store = self.checkpoints
-        healthy = self._healthy_now() if healthy is None else healthy
+        healthy = all_healthy if healthy is None else healthy
         val = self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
         meta_fields: dict[str, Any] = {
             "tokens": self.tokens_total,
@@ -427,6 +485,7 @@ class Guard:
             "train_loss": self.last_train_loss,
             "val_loss": val,
         }
+        store.wait()  # at most one save in flight; its end must not clear this one's gauge
         started = time.perf_counter()
         if self.telemetry is not None:
             self.telemetry.checkpoint_started()
@@ -455,7 +514,6 @@ class Guard:
         if self.config.checkpoint.async_save and not wait:
             store.save_async(self.step, snapshot(payload), on_done=finished, **meta_fields)
             return
-        store.wait()
         try:
             meta = store.save(self.step, payload, **meta_fields)
         except Exception as exc:  # a failed save must not stop training
@@ -483,16 +541,21 @@ class Guard:
         if isinstance(loaded[0], str):
             raise RestoreError(loaded[0], not_found=True)
         meta, payload = loaded[0]["meta"], loaded[0]["payload"]
-        missing = sorted(set(self.state) - set(payload["state"]))
+        missing = sorted(n for n in set(self.state) - set(payload["state"]) if not _optional(n))
         if missing:
             raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
+        failure: Exception | None = None
         try:
             self._apply_payload(payload)
         except Exception as exc:
+            failure = exc
+        if all_reduce_max([int(failure is not None)], self._group)[0]:  # every rank agrees
             self.stop_requested = True
+            self._state_mixed = True  # never save this state
+            why = failure or "on another rank"
             raise RestoreError(
-                f"{meta.name} failed halfway ({exc}); training stops to protect the run"
-            ) from exc
+                f"{meta.name} failed halfway ({why}); training stops to protect the run"
+            ) from failure
         if skip_batches:
             data.skip(skip_batches)  # type: ignore[union-attr]
         self.last_train_loss = meta.train_loss
@@ -502,11 +565,21 @@ class Guard:
             left = self.checkpoints.supersede_after(meta)
             if left:
                 self.event("superseded", checkpoints=left, restored=meta.name)
+            if self.telemetry is not None:
+                self.telemetry.checkpoint_finished(None, self.checkpoints.named())
         return {"checkpoint": meta.name, "step": int(payload["step"])}
 
     def _apply_payload(self, payload: dict[str, Any]) -> None:
-        for name, obj in self.state.items():
-            obj.load_state_dict(payload["state"][name])
+        """Optional state (detectors) first and forgivingly, then the training state."""
+        for name, obj in sorted(self.state.items(), key=lambda item: not _optional(item[0])):
+            saved = payload["state"].get(name)
+            if not _optional(name):
+                obj.load_state_dict(saved)
+                continue
+            try:
+                obj.load_state_dict(saved)
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                log.warning("%s not restored (%s): it starts afresh", name, exc or "absent")
         rng = payload["rng"]
         restore_rng(rng[self.rank] if len(rng) == self.world_size else rng[0])
         self.step = int(payload["step"])
@@ -518,6 +591,12 @@ class Guard:
         if self.telemetry is not None:  # counters count on from the restored totals
             stats = self.telemetry.stats().tolist()
             self.telemetry.resync_totals(stats, float(self._skipped.item()))
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause or resume at this boundary (every rank, so every rank's gauge says so)."""
+        self.paused = paused
+        if self.telemetry is not None:
+            self.telemetry.paused(paused)
 
     def set_lr_scale(self, scale: float) -> None:
         """Multiply the learning rate by ``scale`` relative to the schedule, from now on."""
@@ -583,9 +662,11 @@ class Guard:
     def signal_pending(self) -> bool:
         return self._signal is not None
 
-    def close(self) -> None:
-        """Log the last partial interval, wait for saves, and release everything."""
-        self._log_interval()
+    def close(self, *, failed: bool = False) -> None:
+        """Log the last partial interval, wait for saves, and release everything. After a
+        failure nothing collective runs (the other ranks may be elsewhere)."""
+        if not failed:
+            self._log_interval()
         for signum, previous in self._previous_handlers.items():
             if signal.getsignal(signum) == self._on_signal:
                 signal.signal(signum, previous)
@@ -615,4 +696,4 @@ class Guard:
     ) -> None:
         if exc_type is None:
             self.finish()
-        self.close()
+        self.close(failed=exc_type is not None)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .config import TrainConfig
 
@@ -72,6 +72,32 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> Lambd
     return LambdaLR(optimizer, schedule)
 
 
-def build_ema(model: nn.Module, decay: float) -> AveragedModel:
-    """Exponential moving average of the weights (and buffers)."""
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+class WeightEma:
+    """Exponential moving average of a model's weights, ``ema = decay*ema + (1-decay)*w``,
+    updated with one foreach kernel and no host sync (torch's AveragedModel copies a host
+    counter to the device every step). Buffers are copied. ``module`` is the averaged model."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.module = copy.deepcopy(model)
+        self.module.requires_grad_(False)
+        self.updates = 0
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module) -> None:
+        averaged: list[torch.Tensor] = list(self.module.parameters())
+        current = [p.detach() for p in model.parameters()]
+        if self.updates == 0:
+            torch._foreach_copy_(averaged, current)
+        else:
+            torch._foreach_lerp_(averaged, current, 1.0 - self.decay)
+        for mine, theirs in zip(self.module.buffers(), model.buffers(), strict=True):
+            mine.copy_(theirs)
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"module": self.module.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["module"])
+        self.updates = int(state["updates"])

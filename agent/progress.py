@@ -37,6 +37,7 @@ _LINE_FIELDS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("lr", "lr", ".3e"),
         ("grad_norm", "grad_norm", ".3f"),
         ("tokens_per_second", "tok/s", ".0f"),
+        ("mfu", "mfu", ".3f"),
         ("step_time_seconds", "step_s", ".4f"),
     ),
     "eval": (("val_loss", "val_loss", ".4f"), ("val_perplexity", "val_ppl", ".2f")),

@@ -32,7 +32,7 @@ class ErrorCode(str, Enum):
     TOO_LARGE = "too_large"  # a line over MAX_LINE_BYTES; the connection is then closed
     UNAUTHORIZED = "unauthorized"  # TCP without the right token
     NOT_FOUND = "not_found"  # no such (usable) checkpoint
-    BUSY = "busy"  # too many connections or queued commands
+    BUSY = "busy"  # too many connections
     FAILED = "failed"  # the command was valid but applying it failed
     SHUTTING_DOWN = "shutting_down"  # training ended before the command could be applied
 
@@ -173,8 +173,18 @@ def parse_request(line: bytes) -> Request:
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    """One protocol line."""
-    return json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    """One protocol line; a non-finite number (a diverged loss) becomes null: JSON has none."""
+    return json.dumps(_finite(message), separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def ok_reply(request_id: str, result: dict[str, Any]) -> dict[str, Any]:

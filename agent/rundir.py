@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -107,6 +108,28 @@ class RunDirectory:
             "argv": sys.argv,
         }
         write_atomically(self.path / "env.json", json.dumps(env, indent=2) + "\n")
+
+    def write_discovery(
+        self,
+        *,
+        run_id: str,
+        socket_path: Path | None,
+        metrics_urls: list[str],
+        world_size: int,
+    ) -> None:
+        """``agent.json``: how a monitor finds this run and its ranks' exporters."""
+        info = {
+            "run_id": run_id,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "metrics_url": metrics_urls[0] if metrics_urls else None,
+            "metrics_urls": metrics_urls,
+            "socket": str(socket_path) if socket_path is not None else None,
+            "world_size": world_size,
+            "started_at": time.time(),
+            "version": __version__,
+        }
+        write_atomically(self.path / "agent.json", json.dumps(info, indent=2) + "\n")
 
     def close(self) -> None:
         self.metrics.close()

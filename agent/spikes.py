@@ -18,8 +18,9 @@ Semantics (the choices the metric catalogue's spike series rest on):
 * Episode: starts at an out-of-band step (spike or non-finite); ``duration`` counts its steps
   from 1; it ends (active and duration back to 0) on the ``recover_steps``-th consecutive
   in-band step. In-band values inside an episode join the window. ``spikes_total`` counts
-  episode starts. A lasting level shift upward never rejoins the window, so its episode stays
-  active until the signal comes back down.
+  episodes started by a spike (a non-finite value counts in ``nonfinite_total`` instead).
+  A lasting level shift upward never rejoins the window, so its episode stays active until
+  the signal comes back down.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class SpikeDetector:
         torch.where(in_band, torch.cat((window[1:], v.reshape(1))), window, out=window)
         count.add_(in_band).clamp_max_(cfg.window)
         starts = (self._run >= cfg.recover_steps) > in_band  # no episode yet, and out of band
-        self._spikes_total.add_(starts)
+        self._spikes_total.add_(starts & spike)  # a NaN opens an episode but is no spike
         self._run.add_(1.0).mul_(in_band)
         self._duration.add_(1.0).mul_(self._run < cfg.recover_steps)
         nonfinite = ~finite

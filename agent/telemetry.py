@@ -8,13 +8,11 @@ diagnostics. Reads never wait on the device except at those points.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +27,7 @@ from .fp8_health import Fp8Health
 from .grad_diagnostics import GradDiagnostics
 from .hardware import Nvml, Peak, memory_stats, resolve_peak
 from .metrics import MEMORY_KINDS, SIGNALS, AgentMetrics, Exporter
-from .rundir import git_commit, write_atomically
+from .rundir import git_commit
 from .spikes import STAT_FIELDS, SpikeDetector
 
 log = logging.getLogger("lossguard.agent")
@@ -70,7 +68,11 @@ class Telemetry:
         self.urls = all_gather_objects(self.exporter.url(public_host(cfg.host)), group)
         precision = config.precision.dtype
         self.peak: Peak | None = resolve_peak(device, precision, cfg.peak_flops)
-        self.fp8 = Fp8Health(model, config.precision.fp8_recipe) if precision == "fp8" else None
+        self.fp8 = None
+        if precision == "fp8" and config.model.compile:
+            log.warning("FP8 health sampling needs an eager model: off under model.compile")
+        elif precision == "fp8":
+            self.fp8 = Fp8Health(model, config.precision.fp8_recipe)
         diagnostics = cfg.grad_diagnostics
         self.grads = GradDiagnostics(model, diagnostics) if diagnostics.enabled else None
         self._exported_totals: dict[str, float] = {}
@@ -85,6 +87,10 @@ class Telemetry:
         loss_bad = self.detectors["loss"].update(loss.detach().float())
         norm_bad = self.detectors["grad_norm"].update(grad_norm)
         return torch.logical_or(loss_bad, norm_bad)
+
+    def exclude(self, seconds: float) -> None:
+        """Time that was not training (evaluation, a pause) stays out of the step time."""
+        self._last_step_time += seconds
 
     def step_done(self, step: int) -> None:
         """Host-side heartbeat; never touches the device."""
@@ -258,26 +264,13 @@ class Telemetry:
             if meta is not None:
                 self.metrics.set("checkpoint_step", meta.step, kind=kind)
 
-    def command_applied(self, command: str, ok: bool, *, paused: bool) -> None:
+    def command_applied(self, command: str, ok: bool) -> None:
         self.metrics.inc("control_commands", command=command, result="ok" if ok else "error")
         if ok and command == "rollback":
             self.metrics.inc("rollbacks")
-        self.metrics.set("paused", int(paused))
 
-    def write_discovery(self, run_dir: Path, run_id: str, socket_path: Path | None) -> None:
-        """``agent.json``: how a monitor finds this run (rank 0)."""
-        info = {
-            "run_id": run_id,
-            "pid": os.getpid(),
-            "hostname": socket.gethostname(),
-            "metrics_url": self.urls[0],
-            "metrics_urls": self.urls,
-            "socket": str(socket_path) if socket_path is not None else None,
-            "world_size": self.world_size,
-            "started_at": time.time(),
-            "version": __version__,
-        }
-        write_atomically(run_dir / "agent.json", json.dumps(info, indent=2) + "\n")
+    def paused(self, paused: bool) -> None:
+        self.metrics.set("paused", int(paused))
 
     def close(self) -> None:
         self.exporter.stop()

@@ -31,7 +31,7 @@ from .faults import FaultSchedule, crash, hang, scaled_activations, scaled_lr, s
 from .flops import flops_per_token
 from .guard import Guard
 from .model import GPT
-from .optim import build_ema, build_optimizer, build_scheduler
+from .optim import WeightEma, build_optimizer, build_scheduler
 from .precision import autocast, convert_to_fp8, make_grad_scaler
 from .protocol import SOCKET_NAME, Target
 
@@ -139,7 +139,7 @@ class Trainer:
             self.fp8_layers = convert_to_fp8(self.raw_model, cfg.precision, self.device)
         self.raw_model.to(self.device)
         torch.manual_seed(cfg.run.seed + self.dist.rank)  # dropout differs across ranks
-        self.ema = build_ema(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.ema = WeightEma(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.optimizer = build_optimizer(self.raw_model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.scaler = make_grad_scaler(cfg.precision.dtype, self.device)
@@ -184,7 +184,7 @@ class Trainer:
             try:
                 restored = self.guard.restore(resume, skip_batches=skip_batches)
             except Exception:
-                self.close()
+                self.close(failed=True)
                 raise
             self.guard.event("resumed", target=resume, skipped_batches=skip_batches, **restored)
             if self.dist.is_main:
@@ -222,7 +222,7 @@ class Trainer:
         faults = {f.kind: f for f in self.faults.active(step)}
         for fault in faults.values():
             if fault.step == step:
-                self.guard.event("fault", kind=fault.kind, duration=fault.duration)
+                self.guard.event("fault", **fault.model_dump())
         if "crash" in faults:
             crash(step)
         if "hang" in faults:
@@ -298,7 +298,8 @@ class Trainer:
         while True:
             step = self.guard.step
             if step % train.eval_every == 0 or step == train.max_steps:
-                metrics = self.evaluate()
+                with self.guard.idle():
+                    metrics = self.evaluate()
                 val_loss = metrics.pop("val_loss")
                 best = min(best, val_loss)
                 self.guard.record_eval(val_loss, **metrics)
@@ -317,6 +318,7 @@ class Trainer:
         self.guard.finish()
         return FitResult(self.guard.step, stop_reason, self.run_path, best)
 
-    def close(self) -> None:
-        self.guard.close()
-        teardown_distributed()
+    def close(self, *, failed: bool = False) -> None:
+        """Release the run; after a failure, without collectives the other ranks may not join."""
+        self.guard.close(failed=failed)
+        teardown_distributed(together=not failed)

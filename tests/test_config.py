@@ -46,6 +46,8 @@ def test_shipped_gpt2_config_names_its_missing_data() -> None:
         ({"run": {"id": "../escape"}}, "run.id: may hold only letters"),
         ({"train": {"early_stopping": {}}}, "train.early_stopping.patience: required key"),
         ({"train": 3}, "train: must be a mapping of keys"),
+        ({"train": {"lr": float("inf")}}, "train.lr: must be a finite number"),
+        ({"control": {"tcp": "nohost"}}, "control.tcp: must be HOST:PORT"),
     ],
 )
 def test_bad_values_name_key_and_reason(data: dict, message: str) -> None:
@@ -73,6 +75,7 @@ def test_overrides_set_nested_keys_as_yaml_scalars() -> None:
         ("train.lr.x=1", "--set train.lr.x=1: train.lr is not a section"),
         ("train.nope=1", "train.nope: unknown key"),
         ("train.lr=[1", "--set train.lr=[1: value is not valid YAML"),
+        ("train.lr=.inf", "train.lr: must be a finite number"),
     ],
 )
 def test_bad_overrides(override: str, message: str) -> None:

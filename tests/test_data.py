@@ -123,6 +123,12 @@ def test_max_bytes_caps_the_corpus(tmp_path: Path) -> None:
     assert len(data.train) + len(data.val) == 1000
 
 
+def test_text_needs_the_byte_vocabulary(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("text " * 100)
+    with pytest.raises(DataError, match=r"^model.vocab_size: must be >= 256"):
+        load_data(DataConfig(kind="text", path=tmp_path / "a.txt"), tmp_path / "cache", 100)
+
+
 def test_empty_text_folder_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "corpus").mkdir()
     cfg = DataConfig(kind="text", path=tmp_path / "corpus", include=["*.txt"])

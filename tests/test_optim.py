@@ -65,3 +65,28 @@ def test_early_stopping_counts_patience_only_after_warmup() -> None:
     assert not stop.should_stop(140, 4.0)  # improvement resets
     assert not stop.should_stop(160, 4.5)
     assert stop.should_stop(180, 4.0)  # equal is not better than the best
+
+
+def test_weight_ema_averages_without_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lossguard.agent.optim import WeightEma
+
+    from .conftest import count_host_reads
+
+    model = torch.nn.Linear(3, 2)
+    ema = WeightEma(model, decay=0.5)
+    averaged = ema.module
+    assert isinstance(averaged, torch.nn.Linear)
+    reads = count_host_reads(monkeypatch)
+    history = []
+    for value in (1.0, 3.0, 5.0):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        ema.update_parameters(model)
+        history.append(averaged.weight[0, 0].clone())
+    monkeypatch.undo()
+    assert reads == []
+    assert [float(h) for h in history] == [1.0, 2.0, 3.5]  # copy, then 0.5*ema + 0.5*w
+    clone = WeightEma(torch.nn.Linear(3, 2), decay=0.5)
+    clone.load_state_dict(ema.state_dict())
+    assert clone.updates == 3
+    assert torch.equal(next(clone.module.parameters()), averaged.weight)

@@ -15,6 +15,7 @@ TRAIN = {
     "lr": 3e-4,
     "grad_norm": 0.5,
     "tokens_per_second": 12345.6,
+    "mfu": 0.4123,
     "step_time_seconds": 0.2,
 }
 EVAL = {"kind": "eval", "step": 50, "val_loss": 2.5, "val_perplexity": 12.18}
@@ -24,7 +25,7 @@ def test_lines_carry_step_loss_throughput_and_eta() -> None:
     line = logfmt(TRAIN, total_steps=200)
     assert line == (
         "kind=train step=50/200 loss=2.3457 lr=3.000e-04 grad_norm=0.500 tok/s=12346 "
-        "step_s=0.2000 eta=0:00:30"
+        "mfu=0.412 step_s=0.2000 eta=0:00:30"
     )
     assert logfmt(EVAL, total_steps=None) == "kind=eval step=50 val_loss=2.5000 val_ppl=12.18"
     out = io.StringIO()

@@ -76,7 +76,7 @@ class Reference:
         else:
             if not self.active:
                 self.active, self.duration = True, 0
-                self.spikes_total += 1
+                self.spikes_total += spike  # a non-finite value opens an episode, uncounted
             self.in_band_run = 0
         if self.active:
             self.duration += 1
@@ -259,7 +259,7 @@ def test_nonfinite_is_counted_flagged_and_kept_out_of_the_window(bad: float) -> 
     stats = dirty.stats_dict()
     assert stats["nonfinite"] == 1 and stats["nonfinite_total"] == 1
     assert stats["spike"] == 0 and stats["zscore"] == 0
-    assert stats["active"] == 1 and stats["spikes_total"] == 1  # out of band: an episode
+    assert stats["active"] == 1 and stats["spikes_total"] == 0  # an episode, but no spike
     for key in ("window", "count"):
         assert torch.equal(dirty.state_dict()[key], clean.state_dict()[key])
 
@@ -310,7 +310,7 @@ def test_update_never_syncs_with_the_host(mode: str, monkeypatch: pytest.MonkeyP
     assert calls == []
     assert not {op.__name__.split(".")[0] for op in log.ops} & SYNCING_OPS  # C++ .item() too
     kernels = [op for op in log.ops if not op.is_view]
-    assert len(kernels) / len(values) <= 34  # small: this runs every training step
+    assert len(kernels) / len(values) <= 35  # small: this runs every training step
     assert (
         detector.stats_dict()["spikes_total"] > 0 and detector.stats_dict()["nonfinite_total"] > 0
     )

@@ -148,7 +148,7 @@ def test_lr_fault_makes_a_detected_spike_that_recovers(tmp_path: Path, corpus_ca
     spikes = {labels["signal"]: v for labels, v in samples(text)["lossguard_spikes_total"]}
     assert spikes["loss"] == 1
     faults = [e for e in _events(trainer.run_path) if e["event"] == "fault"]
-    assert faults == [{**faults[0], "kind": "lr_scale", "step": 499}]
+    assert len(faults) == 1 and {k: faults[0][k] for k in fault} == fault
 
 
 def test_clean_run_reports_no_spike_over_1000_steps(tmp_path: Path, corpus_cache: Path) -> None:

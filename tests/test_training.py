@@ -39,6 +39,8 @@ def test_loss_falls_on_the_demo_corpus(tmp_path: Path, corpus_cache: Path) -> No
         f"data.cache_dir={corpus_cache}",
         "train.max_steps=200",
         "train.eval_every=100",
+        "telemetry.host=127.0.0.1",
+        "telemetry.port=0",
     ]
     result, _ = fit(load_config(REPO / "configs/demo.yaml", overrides))
     evals = records(result.run_dir, "eval")
