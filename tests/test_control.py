@@ -271,3 +271,14 @@ def test_lossguard_ctl_drives_a_live_run(agent: Agent) -> None:
     assert agent.process.returncode == 0
     gone = ctl("--run-dir", run_dir, "status")
     assert gone.returncode == 3
+
+
+def test_a_reply_with_a_diverged_loss_is_still_json() -> None:
+    from lossguard.agent.protocol import encode, ok_reply
+
+    line = encode(ok_reply("r", {"last_train_loss": float("nan"), "x": [float("inf"), 1.5]}))
+    assert json.loads(line) == {
+        "id": "r",
+        "ok": True,
+        "result": {"last_train_loss": None, "x": [None, 1.5]},
+    }

@@ -13,6 +13,7 @@ from torch import nn
 from lossguard.agent import Guard
 from lossguard.agent.checkpoint import CheckpointStore, is_superseded
 from lossguard.agent.config import Config, parse_config
+from lossguard.agent.guard import RestoreError, weights_digest
 
 from .conftest import count_host_reads
 
@@ -164,3 +165,66 @@ def test_after_a_rollback_latest_leaves_the_abandoned_timeline(tmp_path: Path) -
     assert store.resolve(20)[0].step == 20  # an explicit step still reaches it
     superseded = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "superseded"]
     assert superseded[0]["checkpoints"] == ["step_00000015", "step_00000020"]
+
+
+class Exploding:
+    """Registered state whose restore fails: a rollback must not leave a mixed state saved."""
+
+    def state_dict(self) -> dict:
+        return {"ok": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("cannot load")
+
+
+def short_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    x = torch.randn(8, 4)
+    for _ in range(steps):
+        model(x).pow(2).mean().backward()
+        guard.after_backward(torch.tensor(1.0), tokens=8)
+        opt.step()
+        opt.zero_grad()
+        guard.end_step()
+        guard.poll()
+
+
+def test_a_restore_that_fails_halfway_stops_and_never_saves(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = guard_config(train={"max_steps": 20}, checkpoint={"every": 5})
+    guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
+    guard.register("zz_exploding", Exploding())
+    short_loop(guard, model, opt, 8)
+    with pytest.raises(RestoreError, match=r"step_00000005 failed halfway .*cannot load"):
+        guard.restore(5)
+    assert guard.stop_requested
+    guard.finish()  # would save a mix of step 5 and step 8 state
+    guard.close()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000005"]
+
+
+def test_detector_state_is_optional_on_restore(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    off = guard_config(
+        train={"max_steps": 10}, checkpoint={"every": 5}, telemetry={"enabled": False}
+    )
+    guard = Guard(tmp_path, model=model, optimizer=opt, config=off, progress=False)
+    short_loop(guard, model, opt, 5)
+    guard.close()
+    on = guard_config(train={"max_steps": 10}, checkpoint={"every": 5})
+    guard = Guard(tmp_path, model=model, optimizer=opt, config=on, progress=False)
+    assert guard.restore(5)["step"] == 5  # saved without detectors: they start afresh
+    guard.close()
+
+
+def test_weights_digest_covers_zero_dim_buffers() -> None:
+    model = nn.BatchNorm1d(3)  # num_batches_tracked: a 0-dim int64 buffer
+    first = weights_digest(model)
+    tracked = model.num_batches_tracked
+    assert tracked is not None and tracked.dim() == 0
+    tracked.add_(1)
+    assert weights_digest(model) != first
