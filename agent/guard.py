@@ -196,6 +196,7 @@ class Guard:
                 run_id=self.run_id,
                 flops_per_token=flops_per_token or 6.0 * sum(p.numel() for p in self._params),
                 group=self._group,
+                loss_scaling=scaler is not None,
             )
             for signal_name, detector in self.telemetry.detectors.items():
                 self.state[f"{DETECTOR_STATE}{signal_name}"] = detector

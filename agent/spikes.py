@@ -61,10 +61,15 @@ _STATE_KEYS = (
 class SpikeDetector:
     """Rolling-window spike and non-finite detection for one signal, on device."""
 
-    def __init__(self, cfg: SpikeConfig, device: torch.device | str) -> None:
+    def __init__(
+        self, cfg: SpikeConfig, device: torch.device | str, *, nonfinite_opens_episode: bool = True
+    ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self._zscore_mode = cfg.mode == "zscore"
+        # False where non-finite values are routine (fp16 grad norms: the GradScaler's overflow
+        # steps): they are counted and kept out of the window, but do not open an episode.
+        self.nonfinite_opens_episode = nonfinite_opens_episode
 
         def scalar(value: float, dtype: torch.dtype = _F64) -> torch.Tensor:
             return torch.tensor(value, dtype=dtype, device=self.device)
@@ -107,9 +112,10 @@ class SpikeDetector:
         in_band = finite ^ spike  # finite and not a spike (a spike is finite)
         torch.where(in_band, torch.cat((window[1:], v.reshape(1))), window, out=window)
         count.add_(in_band).clamp_max_(cfg.window)
-        starts = (self._run >= cfg.recover_steps) > in_band  # no episode yet, and out of band
+        calm = in_band if self.nonfinite_opens_episode else in_band | ~finite
+        starts = (self._run >= cfg.recover_steps) > calm  # no episode yet, and out of band
         self._spikes_total.add_(starts & spike)  # a NaN opens an episode but is no spike
-        self._run.add_(1.0).mul_(in_band)
+        self._run.add_(1.0).mul_(calm)
         self._duration.add_(1.0).mul_(self._run < cfg.recover_steps)
         nonfinite = ~finite
         self._nonfinite_total.add_(nonfinite)

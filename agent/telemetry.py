@@ -52,6 +52,7 @@ class Telemetry:
         run_id: str,
         flops_per_token: float | None,
         group: Any,
+        loss_scaling: bool = False,
     ) -> None:
         cfg = config.telemetry
         self.config = config
@@ -59,7 +60,13 @@ class Telemetry:
         self.rank = rank
         self.world_size = world_size
         self.flops_per_token = flops_per_token
-        self.detectors = {s: SpikeDetector(cfg.spikes, device) for s in SIGNALS}
+        # Under a GradScaler, overflowing grad norms are the scaler at work, not divergence.
+        self.detectors = {
+            s: SpikeDetector(
+                cfg.spikes, device, nonfinite_opens_episode=not (loss_scaling and s == "grad_norm")
+            )
+            for s in SIGNALS
+        }
         self.nvml = Nvml(device)
         self.metrics = AgentMetrics(run_id, rank, nvml=self.nvml.available)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -374,3 +374,12 @@ def test_update_never_syncs_on_cuda() -> None:
     expected = [reference.update(float(v)) for v in values]
     assert [bool(f) for f in flags] == expected
     assert_matches(dict(zip(STAT_FIELDS, stats.tolist(), strict=True)), reference.last, "cuda")
+
+
+def test_routine_nonfinite_values_can_stay_out_of_episodes() -> None:
+    """fp16: the GradScaler's overflow steps give inf grad norms that are no divergence."""
+    detector = SpikeDetector(small(), CPU, nonfinite_opens_episode=False)
+    feed(detector, gauss(50, 3.0, 0.05))
+    stats = feed(detector, [math.inf])[-1]
+    assert stats["nonfinite_total"] == 1 and stats["active"] == 0 and stats["spikes_total"] == 0
+    assert feed(detector, [9.0])[-1]["active"] == 1  # a real spike still opens one
