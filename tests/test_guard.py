@@ -23,6 +23,13 @@ def guard_config(**sections: dict) -> Config:
     return parse_config({"telemetry": {"host": "127.0.0.1", "port": 0}, **sections})
 
 
+def linear_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A seeded one-layer model and its optimizer, for loops that only need some training."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
 def grad_norm(model: nn.Module) -> torch.Tensor:
     """The global L2 norm of the gradients, computed independently of Guard."""
     squares = [g.pow(2).sum() for p in model.parameters() if (g := p.grad) is not None]
@@ -90,9 +97,7 @@ def test_host_reads_happen_once_per_log_interval(
 ) -> None:
     """The hot path leaves values on the device: only the log interval reads them."""
     reads = count_host_reads(monkeypatch)
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = linear_model()
     cfg = guard_config(train={"max_steps": 30, "log_every": 10})
     guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
     x = torch.randn(8, 4)
@@ -106,9 +111,7 @@ def test_host_reads_happen_once_per_log_interval(
 
 
 def test_first_nonfinite_loss_leaves_one_unhealthy_checkpoint(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = linear_model()
     cfg = guard_config(
         train={"max_steps": 30, "log_every": 5},
         checkpoint={"every": 4, "keep_last": 50},
@@ -139,22 +142,13 @@ def test_first_nonfinite_loss_leaves_one_unhealthy_checkpoint(tmp_path: Path) ->
 
 
 def test_after_a_rollback_latest_leaves_the_abandoned_timeline(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = linear_model()
     cfg = guard_config(
         train={"max_steps": 20, "log_every": 5},
         checkpoint={"every": 5, "keep_last": 50, "save_on_exit": False},
     )
     guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
-    x = torch.randn(8, 4)
-    for _ in range(20):
-        model(x).pow(2).mean().backward()
-        guard.after_backward(torch.tensor(1.0), tokens=8)
-        opt.step()
-        opt.zero_grad()
-        guard.end_step()
-        guard.poll()
+    short_loop(guard, model, opt, 20)
     assert guard.restore(10) == {"checkpoint": "step_00000010", "step": 10}
     guard.close()  # and the process dies before its next checkpoint
 
@@ -189,9 +183,7 @@ def short_loop(guard: Guard, model: nn.Module, opt: torch.optim.Optimizer, steps
 
 
 def test_a_restore_that_fails_halfway_stops_and_never_saves(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = linear_model()
     cfg = guard_config(train={"max_steps": 20}, checkpoint={"every": 5})
     guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
     guard.register("zz_exploding", Exploding())
@@ -206,9 +198,7 @@ def test_a_restore_that_fails_halfway_stops_and_never_saves(tmp_path: Path) -> N
 
 
 def test_detector_state_is_optional_on_restore(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = linear_model()
     off = guard_config(
         train={"max_steps": 10}, checkpoint={"every": 5}, telemetry={"enabled": False}
     )
