@@ -68,6 +68,14 @@ class PendingCommand:
         return self._done.is_set()
 
 
+class ListenError(OSError):
+    """The control server cannot listen; ``endpoint`` is "socket" or "tcp"."""
+
+    def __init__(self, endpoint: str, message: str) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
 RejectHook = Callable[[str | None, ErrorCode, str], None]
 
 
@@ -94,11 +102,15 @@ class ControlServer:
         self._queued_signal = threading.Condition(self._lock)
         self._by_id: OrderedDict[str, PendingCommand] = OrderedDict()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._threads: list[threading.Thread] = []
         if socket_path is not None:
             self._listeners.append((_bind_unix(socket_path), False))
         if tcp is not None:
-            self._listeners.append((socket.create_server(tcp), True))
+            try:
+                self._listeners.append((socket.create_server(tcp), True))
+            except OSError as exc:
+                self.close()
+                message = f"cannot listen on {tcp[0]}:{tcp[1]} ({exc.strerror})"
+                raise ListenError("tcp", message) from None
 
     @property
     def tcp_address(self) -> tuple[str, int] | None:
@@ -110,11 +122,9 @@ class ControlServer:
 
     def start(self) -> None:
         for sock, needs_token in self._listeners:
-            thread = threading.Thread(
-                target=self._accept_loop, args=(sock, needs_token), daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
+            accept = threading.Thread(target=self._accept_loop, args=(sock, needs_token))
+            accept.daemon = True
+            accept.start()
 
     def take(self, timeout: float = 0.0) -> list[PendingCommand]:
         """Queued commands in arrival order; waits up to ``timeout`` seconds for the first."""
@@ -241,20 +251,24 @@ def _send_quietly(conn: socket.socket, reply: dict[str, Any]) -> None:
 def _bind_unix(path: Path) -> socket.socket:
     """Bind an owner-only (0600) Unix socket, replacing a stale one from a dead agent."""
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
-        raise OSError(
-            f"control socket path {path} is longer than {UNIX_PATH_MAX} bytes; "
-            "use a shorter run.dir or set control.socket: false"
+        raise ListenError(
+            "socket",
+            f"path {path} is longer than {UNIX_PATH_MAX} bytes; "
+            "use a shorter run.dir or set control.socket: false",
         )
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise OSError(f"{path} exists and is not a socket")
+            raise ListenError("socket", f"{path} exists and is not a socket")
         if socket_is_live(path):
-            raise OSError(f"another agent is serving {path}")
+            raise ListenError("socket", f"another agent is serving {path}")
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:
         sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise ListenError("socket", f"cannot bind {path} ({exc.strerror})") from None
     finally:
         os.umask(old_umask)
     os.chmod(path, 0o600)

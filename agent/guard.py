@@ -35,7 +35,7 @@ from torch import nn
 from .checkpoint import CheckpointMeta, CheckpointStore, snapshot
 from .commands import CommandRunner
 from .config import Config, ConfigError
-from .control import ControlServer
+from .control import ControlServer, ListenError
 from .distributed import (
     all_gather_objects,
     all_reduce_max,
@@ -390,7 +390,6 @@ class Guard:
         record["skipped_steps"] = int(skipped / self.world_size)
         if self.telemetry is not None:
             self.telemetry.publish(record, values[5:], float(self._interval_tokens), elapsed)
-            self.telemetry.publish_skipped(record["skipped_steps"])
             self._record_detections(record)
         self._emit(record)
         self._reset_interval()
@@ -401,16 +400,12 @@ class Guard:
     def _record_detections(self, record: dict[str, Any]) -> None:
         """Audit trail: a spike episode or a non-finite value seen in this interval."""
         for signal_name in SIGNALS:
-            for kind in ("spikes", "nonfinite"):
-                key = f"{signal_name}_{kind}_total"
+            for event, counter in (("spike", "spikes_total"), ("nonfinite", "nonfinite_total")):
+                key = f"{signal_name}_{counter}"
                 total, seen = record[key], self._seen_totals.get(key, 0)
                 if total > seen:
-                    self.event(
-                        kind.rstrip("s"),
-                        signal=signal_name,
-                        total=total,
-                        zscore=record[f"{signal_name}_zscore"],
-                    )
+                    zscore = record[f"{signal_name}_zscore"]
+                    self.event(event, signal=signal_name, total=total, zscore=zscore)
                 self._seen_totals[key] = total
 
     def learning_rate(self) -> float | None:
@@ -444,7 +439,7 @@ class Guard:
         in_episode = self.telemetry is not None and self.telemetry.episode_active()
         return interval_finite and (last is None or math.isfinite(last)) and not in_episode
 
-    def checkpoint_payload(self) -> tuple[dict[str, Any], bool]:
+    def _checkpoint_payload(self) -> tuple[dict[str, Any], bool]:
         """Everything a bit-exact resume needs, and whether every rank is healthy now.
         Collective under torchrun: the RNG states and health of all ranks are gathered."""
         gathered = all_gather_objects((capture_rng(), self._healthy_now()), self._group)
@@ -472,7 +467,7 @@ class Guard:
         if self._state_mixed:
             log.error("not saving: a failed restore left the state mixed")
             return
-        payload, all_healthy = self.checkpoint_payload()
+        payload, all_healthy = self._checkpoint_payload()
         self._last_saved_step = self.step  # on every rank: finish() must agree on the collective
         if self.checkpoints is None:
             return
@@ -492,15 +487,14 @@ class Guard:
             self.telemetry.checkpoint_started()
 
         def finished(result: CheckpointMeta | BaseException) -> None:
+            failed = isinstance(result, BaseException)
+            seconds = time.perf_counter() - started
             if self.telemetry is not None:
-                ok = not isinstance(result, BaseException)
-                seconds = time.perf_counter() - started if ok else None
-                self.telemetry.checkpoint_finished(seconds, store.named())
+                self.telemetry.checkpoint_finished(None if failed else seconds, store.named())
             if isinstance(result, BaseException):
                 log.error("checkpoint at step %d failed: %s", payload["step"], result)
                 self.event("checkpoint_failed", reason=reason, error=str(result))
             else:
-                seconds = time.perf_counter() - started
                 self.event(
                     "checkpoint",
                     name=result.name,
@@ -590,8 +584,7 @@ class Guard:
         self._save_due = False
         self._reset_interval()
         if self.telemetry is not None:  # counters count on from the restored totals
-            stats = self.telemetry.stats().tolist()
-            self.telemetry.resync_totals(stats, float(self._skipped.item()))
+            self.telemetry.resync_totals()
 
     def set_paused(self, paused: bool) -> None:
         """Pause or resume at this boundary (every rank, so every rank's gauge says so)."""
@@ -632,9 +625,8 @@ class Guard:
                 token=os.environ.get(cfg.token_env) if tcp else None,
                 on_reject=self._record_rejected,
             )
-        except OSError as exc:
-            where = "control.tcp" if tcp and "socket" not in str(exc) else "control.socket"
-            raise ConfigError(f"{where}: {exc}") from None
+        except ListenError as exc:
+            raise ConfigError(f"control.{exc.endpoint}: {exc}") from None
         server.start()
         return server
 

@@ -38,6 +38,15 @@ def public_host(bind_host: str) -> str:
     return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
+def _by_signal(stats: list[float]) -> dict[str, dict[str, float]]:
+    """Split ``Telemetry.stats()`` read to the host into each signal's named fields."""
+    width = len(STAT_FIELDS)
+    return {
+        signal: dict(zip(STAT_FIELDS, stats[i * width : (i + 1) * width], strict=True))
+        for i, signal in enumerate(SIGNALS)
+    }
+
+
 class Telemetry:
     """Detectors, samplers and the exporter of one rank."""
 
@@ -50,7 +59,7 @@ class Telemetry:
         rank: int,
         world_size: int,
         run_id: str,
-        flops_per_token: float | None,
+        flops_per_token: float,
         group: Any,
         loss_scaling: bool = False,
     ) -> None:
@@ -142,10 +151,8 @@ class Telemetry:
         self, record: dict[str, Any], stats: list[float], tokens_local: float, elapsed: float
     ) -> None:
         """Export one log interval and add the telemetry fields to its metrics record."""
-        width = len(STAT_FIELDS)
         metrics = self.metrics
-        for i, signal in enumerate(SIGNALS):
-            values = dict(zip(STAT_FIELDS, stats[i * width : (i + 1) * width], strict=True))
+        for signal, values in _by_signal(stats).items():
             metrics.set(f"{signal}_zscore", values["zscore"])
             metrics.set("spike_active", values["active"], signal=signal)
             metrics.set("spike_duration_steps", values["duration"], signal=signal)
@@ -158,14 +165,14 @@ class Telemetry:
         tokens_per_second = tokens_local / elapsed if elapsed > 0 else 0.0
         metrics.inc("tokens", tokens_local)
         metrics.set("tokens_per_second", tokens_per_second)
-        if self.flops_per_token is not None:
-            flops = tokens_per_second * self.flops_per_token
-            metrics.set("model_flops_per_second", flops)
-            record["model_flops_per_second"] = flops * self.world_size
-            if self.peak is not None:
-                mfu = flops / self.peak.flops
-                metrics.set("mfu_ratio", mfu)
-                record["mfu"] = mfu
+        flops = tokens_per_second * self.flops_per_token
+        metrics.set("model_flops_per_second", flops)
+        record["model_flops_per_second"] = flops * self.world_size
+        if self.peak is not None:
+            mfu = flops / self.peak.flops
+            metrics.set("mfu_ratio", mfu)
+            record["mfu"] = mfu
+        self._export_total("skipped_steps", record["skipped_steps"])
         for name in ("train_loss", "grad_norm"):
             if math.isfinite(record[name]):
                 metrics.set(name, record[name])
@@ -175,21 +182,15 @@ class Telemetry:
             metrics.set("amp_loss_scale", record["loss_scale"])
         self._publish_memory(record)
 
-    def publish_skipped(self, total: float) -> None:
-        self._export_total("skipped_steps", total)
-
     def publish_eval(self, val_loss: float) -> None:
         if math.isfinite(val_loss):
             self.metrics.set("val_loss", val_loss)
 
-    def resync_totals(self, stats: list[float], skipped: float) -> None:
-        """After a restore the device totals jump back; count on from there."""
-        width = len(STAT_FIELDS)
-        for i, signal in enumerate(SIGNALS):
-            values = dict(zip(STAT_FIELDS, stats[i * width : (i + 1) * width], strict=True))
+    def resync_totals(self) -> None:
+        """After a restore the detectors' totals jump back; count on from there (one read)."""
+        for signal, values in _by_signal(self.stats().tolist()).items():
             self._exported_totals[f"spikes/{signal}"] = values["spikes_total"]
             self._exported_totals[f"nonfinite/{signal}"] = values["nonfinite_total"]
-        self._exported_totals["skipped_steps/"] = skipped
 
     def _export_total(self, name: str, total: float, signal: str | None = None) -> None:
         """Counters only go up: export the increase of a device-side running total."""

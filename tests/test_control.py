@@ -282,3 +282,20 @@ def test_a_reply_with_a_diverged_loss_is_still_json() -> None:
         "ok": True,
         "result": {"last_train_loss": None, "x": [None, 1.5]},
     }
+
+
+def test_listen_failures_name_their_endpoint(tmp_path: Path) -> None:
+    from lossguard.agent.control import ControlServer, ListenError
+
+    with pytest.raises(ListenError, match="longer than 107 bytes") as too_long:
+        ControlServer(socket_path=tmp_path / ("x" * 120) / "control.sock")
+    assert too_long.value.endpoint == "socket"
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{port}") as busy:
+            ControlServer(socket_path=tmp_path / "c.sock", tcp=("127.0.0.1", port), token="t")
+        assert busy.value.endpoint == "tcp"
+        assert not (tmp_path / "c.sock").exists()  # the socket it did bind is cleaned up
+    finally:
+        taken.close()
