@@ -26,11 +26,13 @@ def field_error(field: str, reason: str) -> PydanticCustomError:
     return PydanticCustomError("field_error", "{reason}", {"field": field, "reason": reason})
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A config section: unknown keys and non-finite numbers are errors."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     id: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -44,7 +46,7 @@ class RunConfig(_Section):
     )
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     n_layer: int = Field(default=4, ge=1)
     n_head: int = Field(default=4, ge=1)
     n_embd: int = Field(default=128, ge=1)
@@ -63,7 +65,7 @@ class ModelConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     kind: Literal["text", "tokens", "synthetic"] = Field(
         default="text",
         description="text: UTF-8 files tokenised as bytes; tokens: nanoGPT train.bin/val.bin; "
@@ -95,12 +97,12 @@ class DataConfig(_Section):
         return self
 
 
-class EarlyStoppingConfig(_Section):
+class EarlyStoppingConfig(Section):
     patience: int = Field(ge=1, description="Evaluations without improvement, after warmup.")
     min_delta: float = Field(default=0.0, ge=0.0)
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     max_steps: int = Field(default=1000, ge=1)
     batch_size: int = Field(default=16, ge=1, description="Sequences per micro-batch per rank.")
     grad_accum: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
@@ -119,12 +121,12 @@ class TrainConfig(_Section):
     early_stopping: EarlyStoppingConfig | None = None
 
 
-class PrecisionConfig(_Section):
+class PrecisionConfig(Section):
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every: int | None = Field(default=None, ge=1, description="Save every N steps; null: off.")
     keep_last: int = Field(default=3, ge=1, description="Newest checkpoints kept.")
     async_save: bool = Field(
@@ -141,7 +143,7 @@ class CheckpointConfig(_Section):
     )
 
 
-class ControlConfig(_Section):
+class ControlConfig(Section):
     socket: bool = Field(default=True, description="Serve run_dir/control.sock (mode 0600).")
     tcp: str | None = Field(
         default=None,
@@ -163,7 +165,7 @@ class ControlConfig(_Section):
         return self
 
 
-class SpikeConfig(_Section):
+class SpikeConfig(Section):
     window: int = Field(default=128, ge=8, description="Steps in the rolling window.")
     mode: Literal["zscore", "ratio"] = Field(
         default="zscore", description="zscore: > k std above the mean; ratio: >= ratio x mean."
@@ -182,11 +184,11 @@ class SpikeConfig(_Section):
         return self
 
 
-class Fp8HealthConfig(_Section):
+class Fp8HealthConfig(Section):
     every: int = Field(default=100, ge=1, description="Sample FP8 amax/overflow every K steps.")
 
 
-class GradDiagnosticsConfig(_Section):
+class GradDiagnosticsConfig(Section):
     enabled: bool = False
     every: int = Field(default=100, ge=1, description="Sample every K steps.")
     top_k: int = Field(default=5, ge=1, le=50, description="Layers exported to Prometheus.")
@@ -194,7 +196,7 @@ class GradDiagnosticsConfig(_Section):
     exploding: float = Field(default=1e2, gt=0.0, description="Layer grad L2 above: exploding.")
 
 
-class TelemetryConfig(_Section):
+class TelemetryConfig(Section):
     enabled: bool = Field(
         default=True, description="Exporter, detectors and samplers; off: a bare loop."
     )
@@ -213,7 +215,7 @@ class TelemetryConfig(_Section):
     grad_diagnostics: GradDiagnosticsConfig = Field(default_factory=GradDiagnosticsConfig)
 
 
-class WandbConfig(_Section):
+class WandbConfig(Section):
     enabled: bool = False
     project: str = "lossguard"
     entity: str | None = None
@@ -229,7 +231,7 @@ FaultKind = Literal[
 ]
 
 
-class FaultConfig(_Section):
+class FaultConfig(Section):
     kind: FaultKind
     step: int = Field(ge=1, description="First step (1-based) the fault perturbs.")
     duration: int = Field(default=1, ge=1, description="Steps it lasts.")
@@ -239,7 +241,7 @@ class FaultConfig(_Section):
     seconds: float = Field(default=1.0, gt=0.0, description="slow_step: added wall time.")
 
 
-class Config(_Section):
+class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -357,6 +359,11 @@ def parse_config(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> Conf
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config file, apply ``--set`` overrides and validate."""
+    return parse_config(read_config_file(path), overrides)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file (empty for an empty file), or ConfigError."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -372,7 +379,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
     if data is None:
-        data = {}
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_config(data, overrides)
+    return data

@@ -676,6 +676,9 @@ class Guard:
             self._display = None
         if self.run_dir is not None:
             self.event("close", stop_requested=self.stop_requested)
+            self.run_dir.mark_finished(
+                "failed" if failed else "stopped" if self.stop_requested else "completed"
+            )
             self.run_dir.close()
 
     def __enter__(self) -> Guard:

@@ -131,6 +131,16 @@ class RunDirectory:
         }
         write_atomically(self.path / "agent.json", json.dumps(info, indent=2) + "\n")
 
+    def mark_finished(self, exit: str) -> None:
+        """Record in ``agent.json`` how the run ended (completed, stopped or failed), so a
+        monitor stops watching a run that ended on purpose and keeps watching one that did not."""
+        path = self.path / "agent.json"
+        if not path.exists():
+            return
+        info = json.loads(path.read_text())
+        info.update(finished_at=time.time(), exit=exit)
+        write_atomically(path, json.dumps(info, indent=2) + "\n")
+
     def close(self) -> None:
         self.metrics.close()
         self.events.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -57,10 +59,13 @@ def tiny_config(tmp_path: Path, corpus_cache: Path):
     return build
 
 
-def run_cli(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m lossguard.agent.cli ARGS`` with its output captured (not a TTY)."""
+def run_cli(
+    *args: str, timeout: float = 240, module: str = "lossguard.agent.cli", **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m lossguard.agent.cli ARGS`` (or another ``module``) with its output
+    captured (not a TTY)."""
     return subprocess.run(
-        [sys.executable, "-m", "lossguard.agent.cli", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -130,3 +135,71 @@ def step_records(run_dir: Path) -> dict[int, float]:
 def events(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def monitor_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``lossguard-monitor ARGS`` with its output captured."""
+    return run_cli(*args, timeout=120, module="lossguard.monitor.cli")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def write_monitor_config(path: Path, rules: list[Path], **sections: Any) -> tuple[Path, str]:
+    """A monitor.yml evaluating ``rules`` every second, its state beside it, listening on a
+    free port; returns the file and the monitor's base URL."""
+    port = free_port()
+    settings: dict[str, Any] = {
+        "rules": {"files": [str(r) for r in rules], "evaluation_interval": "1s"},
+        "state": {"path": str(path.parent / "state.db")},
+        "listen": {"host": "127.0.0.1", "port": port},
+        **sections,
+    }
+    path.write_text(yaml.safe_dump(settings))
+    return path, f"http://127.0.0.1:{port}"
+
+
+def start_monitor(config: Path, *args: str) -> subprocess.Popen:
+    """Start ``lossguard-monitor run --config CONFIG ARGS`` (stderr captured to a file beside
+    the config, so a long run never blocks on a full pipe)."""
+    log = open(config.with_suffix(".log"), "a")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lossguard.monitor.cli", "run", "--config", str(config), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+
+
+def alert_events(db: Path) -> list[dict[str, Any]]:
+    """The monitor's recorded alert transitions, read-only, oldest first."""
+    if not db.exists():
+        return []
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        try:
+            rows = conn.execute(
+                "SELECT kind, fingerprint, labels, at FROM alert_events ORDER BY id"
+            ).fetchall()
+        except sqlite3.OperationalError:  # the monitor has not created its tables yet
+            return []
+    return [
+        {"kind": kind, "fingerprint": fp, "labels": json.loads(labels), "at": at}
+        for kind, fp, labels, at in rows
+    ]
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM, then wait; SIGKILL if it does not end in ``timeout``."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return int(process.returncode)

@@ -163,6 +163,7 @@ def test_stop_command_saves_and_exits_cleanly(tmp_path: Path, corpus_cache: Path
     assert agent.returncode == 0, stderr
     assert has_checkpoint(run_dir, reply["step"])
     assert not (run_dir / "control.sock").exists()
+    assert json.loads((run_dir / "agent.json").read_text())["exit"] == "stopped"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -177,6 +178,7 @@ def test_preemption_signal_saves_then_exits_zero(
     assert [e["signal"] for e in log if e["event"] == "signal"] == [signum.name]
     saved = [e for e in log if e["event"] == "checkpoint" and e["reason"] == "signal"]
     assert len(saved) == 1 and has_checkpoint(run_dir, saved[0]["checkpoint_step"])
+    assert json.loads((run_dir / "agent.json").read_text())["exit"] == "stopped"
 
 
 def test_resume_problems_are_reported(tmp_path: Path, corpus_cache: Path) -> None:
@@ -190,6 +192,8 @@ def test_resume_problems_are_reported(tmp_path: Path, corpus_cache: Path) -> Non
     assert run_cli("run", str(config), "--resume", "../x").returncode == 2
 
     assert run_cli("run", str(config)).returncode == 0  # checkpoints at 5, 10 and final 12
+    finished = json.loads((run_dir / "agent.json").read_text())
+    assert finished["exit"] == "completed" and finished["finished_at"] > finished["started_at"]
     state = run_dir / "checkpoints/step_00000012/state.pt"
     blob = bytearray(state.read_bytes())
     blob[len(blob) // 2] ^= 0xFF

@@ -99,17 +99,23 @@ class _Evaluator:
         return value
 
     def select(
-        self, selector: VectorSelector, start_ms: int, end_ms: int
+        self, selector: VectorSelector, start_ms: int, end_ms: int, *, latest: bool = False
     ) -> list[tuple[Labels, list[Point]]]:
-        """Series by labels with their samples (staleness markers included) in the window."""
+        """Series by labels with their samples (staleness markers included) in the window;
+        with ``latest``, only each series' last sample in it."""
         found = self.storage.select(
-            list(selector.matchers), (start_ms - 1) / 1000, (end_ms + 1) / 1000
+            list(selector.matchers),
+            (start_ms - 0.5) / 1000,  # half a millisecond: no sample is lost to float rounding
+            (end_ms + 0.5) / 1000,
+            latest=latest,
         )
         series = []
         for labels, samples in found:
-            points = [
-                (ms, float(v)) for t, v in samples if start_ms <= (ms := round(t * 1000)) <= end_ms
-            ]
+            points = [(round(t * 1000), v) for t, v in samples]
+            while points and points[0][0] < start_ms:  # sorted: only the ends can stray
+                points.pop(0)
+            while points and points[-1][0] > end_ms:
+                points.pop()
             series.append((labels, points))
         return sorted(series, key=lambda item: item[0])
 
@@ -118,7 +124,7 @@ class _Evaluator:
         end = self.ts - selector.offset_ms
         return [
             Sample(labels, points[-1][1])
-            for labels, points in self.select(selector, end - LOOKBACK_MS, end)
+            for labels, points in self.select(selector, end - LOOKBACK_MS, end, latest=True)
             if points and not is_stale(points[-1][1])
         ]
 

@@ -1,0 +1,126 @@
+"""``monitor.yml``: validated like the agent's config (pydantic, one-line errors that name the
+key). Durations are Prometheus durations (``1s``, ``5m``, ``1h30m``); relative paths are taken
+from the config file's folder, as Prometheus does for its rule files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from lossguard.agent.config import (
+    ConfigError,
+    Section,
+    apply_overrides,
+    describe_validation_error,
+    field_error,
+    read_config_file,
+)
+from lossguard.monitor.promql.literals import parse_duration
+
+DEFAULT_PORT = 9411
+
+
+def seconds(text: str) -> float:
+    """A Prometheus duration in seconds (raises ValueError with the reason)."""
+    try:
+        return parse_duration(text) / 1000
+    except ValueError:
+        raise ValueError(f"not a valid duration: {text!r} (e.g. 1s, 30s, 5m, 1h30m)") from None
+
+
+class _Durations(Section):
+    """A section whose ``*interval``/``*timeout`` fields are Prometheus durations."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _duration(cls, value: Any, info: Any) -> Any:
+        if info.field_name.endswith(("interval", "timeout")) and value is not None:
+            if seconds(str(value)) <= 0:
+                raise ValueError("must be a positive duration")
+            return str(value)
+        return value
+
+
+class ScrapeConfig(_Durations):
+    interval: str = Field(default="1s", description="How often every target is scraped.")
+    timeout: str | None = Field(
+        default=None, description="Per scrape; default: the interval, at most 10s."
+    )
+    job: str = Field(default="lossguard-agent", description="The `job` label of agent series.")
+    targets: list[str] = Field(default_factory=list, description="Static agent /metrics URLs.")
+    runs_root: Path | None = Field(
+        default=None, description="Discover agents from runs_root/*/agent.json."
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _urls(cls, targets: list[str]) -> list[str]:
+        for url in targets:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL")
+        return targets
+
+
+class PrometheusConfig(_Durations):
+    url: str = Field(description="Base URL of the Prometheus server, e.g. http://127.0.0.1:9090.")
+    timeout: str = "10s"
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is not an http(s) URL")
+        return url.rstrip("/")
+
+
+class RulesConfig(_Durations):
+    files: list[Path] = Field(min_length=1, description="Prometheus-format rule files.")
+    evaluation_interval: str = "1s"
+    external_labels: dict[str, str] = Field(default_factory=dict)
+    external_url: str = ""
+
+
+class StateConfig(Section):
+    path: Path = Path("monitor-state/state.db")
+
+
+class ListenConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+
+
+class MonitorConfig(Section):
+    source: Literal["scrape", "prometheus"] = "scrape"
+    scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
+    prometheus: PrometheusConfig | None = None
+    rules: RulesConfig
+    state: StateConfig = Field(default_factory=StateConfig)
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _source_is_configured(self) -> MonitorConfig:
+        if self.source == "prometheus" and self.prometheus is None:
+            raise field_error("prometheus", "required when source is prometheus")
+        if self.source == "scrape" and not self.scrape.targets and self.scrape.runs_root is None:
+            raise field_error("scrape", "give targets, runs_root, or both")
+        return self
+
+
+def load_monitor_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = ()
+) -> MonitorConfig:
+    """Read and validate ``monitor.yml``; relative paths are resolved against its folder."""
+    data = apply_overrides(read_config_file(path), overrides)
+    try:
+        config = MonitorConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    base = Path(path).resolve().parent
+    config.rules.files = [base / f for f in config.rules.files]
+    config.state.path = base / config.state.path
+    if config.scrape.runs_root is not None:
+        config.scrape.runs_root = base / config.scrape.runs_root
+    return config

@@ -1,0 +1,219 @@
+"""The monitor daemon: gets the numbers, evaluates the rules on a fixed interval, keeps the
+alerts in the state database, serves its own metrics; reloads rules on SIGHUP."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from lossguard.monitor.alerting import Transition, TransitionKind
+from lossguard.monitor.config import MonitorConfig, seconds
+from lossguard.monitor.metrics import MonitorMetrics, MonitorServer
+from lossguard.monitor.promql import Value
+from lossguard.monitor.rules import (
+    AlertingRule,
+    RuleError,
+    RuleGroup,
+    load_rule_files,
+    longest_range_s,
+    metric_names,
+)
+from lossguard.monitor.ruleset import RuleSet, Schedule
+from lossguard.monitor.sources import Source
+from lossguard.monitor.sources.prometheus import PrometheusSource
+from lossguard.monitor.sources.scrape import ScrapeSource
+from lossguard.monitor.state import StateStore
+
+log = logging.getLogger("lossguard.monitor")
+RETENTION_MARGIN_S = 60.0
+
+
+class Monitor:
+    """One monitor process: built from a config, run until :meth:`stop`."""
+
+    def __init__(self, config: MonitorConfig) -> None:
+        self.config = config
+        self.interval_s = seconds(config.rules.evaluation_interval)
+        groups = load_rule_files(config.rules.files)  # RuleError: the caller exits 2
+        self.store = StateStore(config.state.path)
+        self.metrics = MonitorMetrics()
+        self.ruleset, ended = RuleSet.restore(
+            groups,
+            self.store.load_alerts(),
+            time.time(),
+            external_labels=config.rules.external_labels,
+            external_url=config.rules.external_url,
+        )
+        self._record(ended, list(self.ruleset.active()))
+        self.source = self._make_source(groups)
+        self._loaded(groups)
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._wake = threading.Event()
+        self._last_cycle: float | None = None
+        self.schedule = Schedule(self.interval_s)
+        self.server = MonitorServer(
+            self.metrics.registry, self._health, config.listen.host, config.listen.port
+        )
+
+    def _make_source(self, groups: list[RuleGroup]) -> Source:
+        if self.config.source == "prometheus":
+            assert self.config.prometheus is not None  # checked by the config
+            return PrometheusSource(
+                self.config.prometheus.url, timeout_s=seconds(self.config.prometheus.timeout)
+            )
+        scrape = self.config.scrape
+        return ScrapeSource(
+            static_targets=scrape.targets,
+            runs_root=scrape.runs_root,
+            interval_s=seconds(scrape.interval),
+            timeout_s=seconds(scrape.timeout) if scrape.timeout else None,
+            job=scrape.job,
+            retention_s=longest_range_s(groups) + RETENTION_MARGIN_S,
+            keep_names=metric_names(groups),
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        """Evaluate until stopped (SIGTERM/SIGINT, or :meth:`stop`)."""
+        self.source.start()
+        log.info(
+            "monitor serving %s/metrics; %d rules from %s; state %s",
+            self.server.url,
+            len(self.ruleset.rules),
+            ", ".join(str(f) for f in self.config.rules.files),
+            self.config.state.path,
+        )
+        try:
+            while not self._stop.is_set():
+                if self._reload.is_set():
+                    self._reload.clear()
+                    self.reload()
+                now = time.time()
+                due = self.schedule.due(self.ruleset.groups, now)
+                if due:
+                    self.evaluate(now, due)
+                self._wake.wait(max(0.0, self.schedule.wake_time(now) - time.time()))
+                self._wake.clear()
+        finally:
+            self.close()
+
+    def evaluate(self, t: float, groups: set[str] | None = None) -> list[Transition]:
+        """One evaluation of the (due) groups at ``t``: alerts updated, persisted, logged.
+        Nothing is evaluated before the source has its first data."""
+        history_start = self.source.history_start()
+        if history_start is None:
+            return []
+        transitions = self.ruleset.evaluate(
+            self._query,
+            t,
+            groups=groups,
+            observe=self.metrics.evaluation.observe,
+            history_start=history_start,
+        )
+        evaluated = [e for e in self.ruleset.rules if groups is None or e.group.name in groups]
+        for entry in evaluated:
+            if entry.last_error is not None and entry.last_evaluation == t:
+                self.metrics.evaluation_failures.labels(entry.rule.name).inc()
+                log.warning("rule %s failed: %s", entry.rule.name, entry.last_error)
+        self._record(transitions, [e.key for e in evaluated])
+        self.schedule.done(self.ruleset.groups, groups or {g.name for g in self.ruleset.groups}, t)
+        self.metrics.update_alerts(self.ruleset.rules)
+        self.metrics.update_targets(self.source.targets())
+        self._last_cycle = t
+        return transitions
+
+    def _query(self, rule: AlertingRule, t: float) -> Value:
+        return self.source.query(rule.expr, t)
+
+    def _record(self, transitions: list[Transition], rule_keys: list[str]) -> None:
+        active = self.ruleset.active()
+        self.store.record({key: active.get(key, []) for key in rule_keys}, transitions)
+        for transition in transitions:
+            alert = transition.alert
+            self.metrics.transitions.labels(
+                alert.labels.get("alertname", ""), transition.kind.value
+            ).inc()
+            level = (
+                logging.INFO if transition.kind is not TransitionKind.INACTIVE else logging.DEBUG
+            )
+            log.log(
+                level,
+                "alert %s %s %s value=%s fingerprint=%s",
+                alert.labels.get("alertname", ""),
+                transition.kind.value,
+                " ".join(f"{k}={v}" for k, v in alert.labels.items() if k != "alertname"),
+                alert.value,
+                alert.fingerprint,
+            )
+
+    # ------------------------------------------------------------------ reload and stop
+
+    def request_reload(self) -> None:
+        self._reload.set()
+        self._wake.set()
+
+    def reload(self) -> bool:
+        """Re-read the rule files; on any problem keep the rules in force and say why."""
+        try:
+            groups = load_rule_files(self.config.rules.files)
+        except RuleError as exc:
+            self.metrics.reload_success.set(0)
+            log.error(
+                "rules reload failed, keeping the %d rules in force: %s",
+                len(self.ruleset.rules),
+                exc,
+            )
+            return False
+        previous = {e.key for e in self.ruleset.rules}
+        self.ruleset, ended = self.ruleset.replace(groups, time.time())
+        self._record(ended, sorted(previous | {e.key for e in self.ruleset.rules}))
+        if isinstance(self.source, ScrapeSource):
+            self.source.retention_s = longest_range_s(groups) + RETENTION_MARGIN_S
+            self.source.keep_names = metric_names(groups)
+        self.schedule.reset()
+        self._loaded(groups)
+        log.info("rules reloaded: %d rules", len(self.ruleset.rules))
+        return True
+
+    def _loaded(self, groups: list[RuleGroup]) -> None:
+        self.metrics.rules_loaded.set(sum(len(g.rules) for g in groups))
+        self.metrics.reload_success.set(1)
+        self.metrics.reload_timestamp.set(time.time())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def install_signal_handlers(self) -> None:
+        def on_stop(signum: int, frame: FrameType | None) -> None:
+            log.info("%s: stopping", signal.Signals(signum).name)
+            self.stop()
+
+        def on_hup(signum: int, frame: FrameType | None) -> None:
+            self.request_reload()
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_hup)
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        stale_after = 3 * self.interval_s + 5
+        fresh = self._last_cycle is not None and time.time() - self._last_cycle < stale_after
+        targets = self.source.targets()
+        return fresh, {
+            "rules": len(self.ruleset.rules),
+            "last_evaluation": self._last_cycle,
+            "targets": len(targets),
+            "targets_up": sum(1 for t in targets if t.up),
+        }
+
+    def close(self) -> None:
+        self.source.close()
+        self.server.close()
+        self.store.close()

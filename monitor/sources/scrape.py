@@ -1,0 +1,379 @@
+"""The monitor's own scrapes of agents' ``/metrics``, with the semantics of Prometheus's scrape
+loop: target labels ``job`` and ``instance`` (clashing exposed labels become ``exported_*``),
+the synthetic ``up``, ``scrape_duration_seconds`` and ``scrape_samples_scraped``, and staleness
+markers for series that disappear, for every series of a failed scrape and for targets that go.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from lossguard.monitor.promql import (
+    METRIC_NAME,
+    STALE_NAN,
+    Labels,
+    MemoryStorage,
+    Value,
+    evaluate,
+    make_labels,
+    parse,
+)
+from lossguard.monitor.sources import TargetStatus
+from lossguard.monitor.sources.discovery import discover_agents, instance_of, redact_url
+
+log = logging.getLogger(__name__)
+
+REPORT_NAMES = ("up", "scrape_duration_seconds", "scrape_samples_scraped")
+EXPORTED_PREFIX = "exported_"
+ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+"""The text format only: prometheus-client would otherwise answer in OpenMetrics."""
+MAX_TIMEOUT_S = 10.0
+
+_parse_cached = functools.lru_cache(maxsize=1024)(parse)
+
+
+class ScrapeError(Exception):
+    """Why one scrape failed, in one line."""
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """``text`` on one line of printable characters, cut at ``limit``."""
+    flat = " ".join(text.split())
+    flat = "".join(c if c.isprintable() else "?" for c in flat)
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def request_error(exc: requests.RequestException, timeout_s: float) -> str:
+    """The reason a request failed, short: "connection refused", "timed out after 2 s"."""
+    if isinstance(exc, requests.Timeout):
+        return f"timed out after {timeout_s:g} s"
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror[:1].lower() + cause.strerror[1:]
+        cause = cause.__cause__ or cause.__context__
+    return one_line(str(exc))
+
+
+def with_target_labels(name: str, exposed: Mapping[str, str], target: Mapping[str, str]) -> Labels:
+    """The stored label set of an exposed sample (``honor_labels: false``): target labels win,
+    clashing exposed values move to ``exported_<name>`` (prefixed again while taken)."""
+    merged = {**exposed, METRIC_NAME: name}
+    clashes = sorted(
+        ((label, merged[label]) for label in sorted(target) if merged.get(label)),
+        key=lambda pair: len(pair[0]),
+    )
+    merged.update(target)
+    for label, value in clashes:
+        renamed = EXPORTED_PREFIX + label
+        while merged.get(renamed):
+            renamed = EXPORTED_PREFIX + renamed
+        merged[renamed] = value
+    return make_labels(merged)
+
+
+class ExpositionParser:
+    """One target's expositions to stored samples. The label sets of the last full parse are
+    reused while the exposition keeps its shape (same lines up to the values), so a steady
+    target costs one float conversion per sample."""
+
+    def __init__(self, target_labels: Mapping[str, str], keep_names: frozenset[str] | None) -> None:
+        self.target_labels = dict(target_labels)
+        self.run_id: str | None = None  # the ``run_id`` label of the exposed series
+        self.keep(keep_names)
+
+    def keep(self, names: frozenset[str] | None) -> None:
+        """From now on keep only the series named ``names`` (None: all)."""
+        self.keep_names = names
+        self._shape: list[str] | None = None
+        self._labels: list[Labels | None] = []  # per sample line; None: not kept
+
+    def parse(self, text: str) -> tuple[int, dict[Labels, float]]:
+        """``(samples exposed, kept samples by label set)``; ScrapeError if it does not parse."""
+        shape, values = _split(text)
+        if shape == self._shape and "_" not in "".join(values):
+            try:
+                numbers = [float(value) for value in values]
+            except ValueError:
+                pass  # the full parse names the problem
+            else:
+                kept = zip(self._labels, numbers, strict=True)
+                return len(numbers), {key: number for key, number in kept if key is not None}
+        return self._parse_fully(text, shape, values)
+
+    def _parse_fully(
+        self, text: str, shape: list[str], values: list[str]
+    ) -> tuple[int, dict[Labels, float]]:
+        try:
+            samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        except (ValueError, IndexError) as exc:
+            raise ScrapeError(f"parse error: {one_line(str(exc)) or 'invalid line'}") from None
+        keys: list[Labels | None] = []
+        kept: dict[Labels, float] = {}
+        for sample in samples:
+            key = self._key(sample.name, sample.labels)
+            if key is None or key in kept:  # a duplicate: the first one counts
+                keys.append(None)
+                continue
+            keys.append(key)
+            kept[key] = float(sample.value)
+            self.run_id = sample.labels.get("run_id") or self.run_id
+        reusable = len(samples) == len(values) and all(
+            sample.timestamp is None and _same(float(sample.value), value)
+            for sample, value in zip(samples, values, strict=False)
+        )
+        self._shape, self._labels = (shape, keys) if reusable else (None, [])
+        return len(samples), kept
+
+    def _key(self, name: str, labels: Mapping[str, str]) -> Labels | None:
+        if self.keep_names is not None and name not in self.keep_names:
+            return None
+        return with_target_labels(name, labels, self.target_labels)
+
+
+def _split(text: str) -> tuple[list[str], list[str]]:
+    """The exposition's shape (comment lines, and sample lines up to their last space) and
+    the text after the last space of each sample line (its value, when it has no timestamp)."""
+    shape: list[str] = []
+    values: list[str] = []
+    for raw in text.split("\n"):
+        line = raw.strip()
+        if not line:
+            continue
+        if line[0] == "#":
+            shape.append(line)
+            continue
+        head, _, value = line.rpartition(" ")
+        shape.append(head)
+        values.append(value)
+    return shape, values
+
+
+def _same(number: float, text: str) -> bool:
+    try:
+        parsed = float(text)
+    except ValueError:
+        return False
+    return parsed == number or (math.isnan(parsed) and math.isnan(number))
+
+
+class _Target:
+    """One scrape target: its HTTP session, what it exposed last, how its last scrape went."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        job: str,
+        run_id: str | None,
+        timeout_s: float,
+        keep_names: frozenset[str] | None,
+    ) -> None:
+        self.url = url
+        self.run_id = run_id  # from discovery; None for a static target
+        self.timeout_s = timeout_s
+        instance = instance_of(url)
+        labels = {"job": job, "instance": instance}
+        self.report_keys = [make_labels({**labels, METRIC_NAME: name}) for name in REPORT_NAMES]
+        self.parser = ExpositionParser(labels, keep_names)
+        self.exposed: set[Labels] = set()
+        self.session = requests.Session()
+        self.session.trust_env = False  # no proxies from the environment, as Prometheus
+        self.session.headers.update(
+            {
+                "Accept": ACCEPT,
+                "User-Agent": "lossguard-monitor",
+                "X-Prometheus-Scrape-Timeout-Seconds": f"{timeout_s:g}",
+            }
+        )
+        self.status = TargetStatus(redact_url(url), job, instance, run_id, None, None, None, None)
+
+    def scrape(self, storage: MemoryStorage, t: float) -> None:
+        """Scrape once and store the samples at ``t``, all at once; a failure stores ``up`` 0
+        and ends every series the target exposed."""
+        started = time.perf_counter()
+        error: str | None = None
+        try:
+            total, samples = self.parser.parse(self._fetch())
+        except ScrapeError as exc:
+            error = f"GET {self.status.url}: {exc}"
+            total, samples = 0, {}
+        duration = time.perf_counter() - started
+        report = (0.0 if error else 1.0, duration, float(total))
+        ended = [(key, STALE_NAN) for key in self.exposed.difference(samples)]
+        reported = zip(self.report_keys, report, strict=True)
+        storage.add_many(itertools.chain(samples.items(), ended, reported), t)
+        self.exposed = set(samples)
+        self.status = TargetStatus(
+            url=self.status.url,
+            job=self.status.job,
+            instance=self.status.instance,
+            run_id=self.run_id or self.parser.run_id,
+            up=error is None,
+            last_scrape=t,
+            last_error=error,
+            scrape_duration_s=duration,
+        )
+
+    def forget(self, storage: MemoryStorage, t: float) -> None:
+        """The target is gone: end all its series, ``up`` included."""
+        if self.status.up is not None:
+            ended = [*self.exposed, *self.report_keys]
+            storage.add_many([(key, STALE_NAN) for key in ended], t)
+        self.session.close()
+
+    def _fetch(self) -> str:
+        started = time.perf_counter()
+        try:
+            response = self.session.get(self.url, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            raise ScrapeError(request_error(exc, self.timeout_s)) from None
+        if time.perf_counter() - started > self.timeout_s:  # a body that trickled in
+            raise ScrapeError(f"timed out after {self.timeout_s:g} s")
+        if response.status_code != 200:
+            raise ScrapeError(f"HTTP {response.status_code} {response.reason or ''}".rstrip())
+        try:
+            return response.content.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ScrapeError("parse error: the body is not UTF-8") from None
+
+
+class ScrapeSource:
+    """Scrapes static and discovered agents every ``interval_s`` into memory and answers rule
+    expressions over what it keeps (``retention_s`` of history)."""
+
+    def __init__(
+        self,
+        *,
+        static_targets: list[str],
+        runs_root: Path | None,
+        interval_s: float = 1.0,
+        timeout_s: float | None = None,
+        job: str = "lossguard-agent",
+        retention_s: float,
+        keep_names: frozenset[str] | None = None,
+        max_workers: int = 32,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        for name, seconds in [("interval_s", interval_s), ("retention_s", retention_s)]:
+            if not seconds > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {seconds}")
+        for url in static_targets:
+            instance_of(url)  # a bad URL fails here, not at the first scrape
+        self.static_targets = list(dict.fromkeys(static_targets))
+        self.runs_root = runs_root
+        self.interval_s = interval_s
+        self.timeout_s = min(interval_s, MAX_TIMEOUT_S) if timeout_s is None else timeout_s
+        self.job = job
+        self.retention_s = retention_s
+        self._keep_names = keep_names
+        self.storage = MemoryStorage()
+        self._clock = clock
+        self._targets: dict[str, _Target] = {}
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="lossguard-scrape")
+        self._cycle = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._history_start: float | None = None
+
+    def history_start(self) -> float | None:
+        """When the first scrape cycle was stored (None before it): what is older is unknown."""
+        return self._history_start
+
+    def start(self) -> None:
+        """Scrape in a background thread, on multiples of the interval."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lossguard-scraper", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop scraping (an ongoing cycle finishes first) and release the connections."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._executor.shutdown(wait=True)
+        for target in self._targets.values():
+            target.session.close()
+
+    @property
+    def keep_names(self) -> frozenset[str] | None:
+        """The metric names stored (None: all); settable, say after a rules reload: series no
+        longer kept end at the next scrape."""
+        return self._keep_names
+
+    @keep_names.setter
+    def keep_names(self, names: frozenset[str] | None) -> None:
+        with self._cycle:
+            self._keep_names = names
+            for target in self._targets.values():
+                target.parser.keep(names)
+
+    def query(self, expr: str, t: float) -> Value:
+        """Evaluate ``expr`` at ``t``; raises PromQLError for a bad expression."""
+        return evaluate(_parse_cached(expr), self.storage, t)
+
+    def targets(self) -> list[TargetStatus]:
+        return [target.status for target in self._targets.values()]
+
+    def scrape_once(self, t: float | None = None) -> None:
+        """One whole cycle now: discover, scrape every target concurrently, store the samples at
+        ``t`` (default: the clock), forget history older than the retention."""
+        with self._cycle:
+            t = round((self._clock() if t is None else t) * 1000) / 1000
+            targets = self._sync(t)
+            list(self._executor.map(lambda target: target.scrape(self.storage, t), targets))
+            self.storage.truncate(self._cut(t))
+            if self._history_start is None:
+                self._history_start = t
+
+    def _sync(self, t: float) -> list[_Target]:
+        """The targets to scrape now; those no longer wanted are forgotten."""
+        wanted: dict[str, str | None] = {}
+        if self.runs_root is not None:
+            for found in discover_agents(self.runs_root):
+                wanted.setdefault(found.url, found.run_id)
+        for url in self.static_targets:
+            wanted.setdefault(url, None)
+        current = self._targets
+        targets: dict[str, _Target] = {}
+        for url, run_id in wanted.items():
+            target = current.get(url) or _Target(
+                url,
+                job=self.job,
+                run_id=run_id,
+                timeout_s=self.timeout_s,
+                keep_names=self.keep_names,
+            )
+            target.run_id = run_id
+            targets[url] = target
+        self._targets = targets
+        for url, gone in current.items():
+            if url not in targets:
+                gone.forget(self.storage, t)
+        return list(targets.values())
+
+    def _cut(self, t: float) -> float:
+        """Where history may be cut: ``retention_s`` back, rounded down to a tenth of the
+        retention, so that a whole pass over the series happens once per tenth, not per cycle."""
+        step = max(self.interval_s, self.retention_s / 10)
+        return math.floor((t - self.retention_s) / step) * step
+
+    def _run(self) -> None:
+        tick = math.floor(self._clock() / self.interval_s) + 1
+        while not self._stop.wait(max(0.0, tick * self.interval_s - self._clock())):
+            try:
+                self.scrape_once(tick * self.interval_s)
+            except Exception:  # the loop must outlive any one cycle
+                log.exception("scrape cycle failed")
+            tick = max(tick + 1, math.floor(self._clock() / self.interval_s) + 1)

@@ -1,0 +1,204 @@
+"""The monitor's persistent state: active alerts and their transitions, in SQLite (WAL).
+
+Everything one evaluation changed is written in one transaction, so a monitor killed at any
+moment restarts with the alerts exactly as one evaluation left them, and announces no transition
+twice. Values are stored as text so NaN and infinities survive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lossguard.monitor.alerting import Alert, AlertState, Transition
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS alerts (
+    fingerprint TEXT NOT NULL,
+    rule TEXT NOT NULL,
+    labels TEXT NOT NULL,
+    annotations TEXT NOT NULL,
+    state TEXT NOT NULL,
+    value TEXT NOT NULL,
+    active_at REAL NOT NULL,
+    fired_at REAL,
+    keep_firing_since REAL,
+    PRIMARY KEY (rule, fingerprint)
+);
+CREATE TABLE IF NOT EXISTS alert_events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    rule TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    labels TEXT NOT NULL,
+    annotations TEXT NOT NULL,
+    value TEXT NOT NULL,
+    active_at REAL NOT NULL,
+    fired_at REAL
+);
+"""
+
+
+class StateError(Exception):
+    """A state database that cannot be used (one line)."""
+
+
+@dataclass(frozen=True)
+class AlertEvent:
+    """One recorded transition."""
+
+    id: int
+    at: float
+    kind: str
+    rule: str
+    fingerprint: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    value: float
+    active_at: float
+    fired_at: float | None
+
+
+def value_text(value: float) -> str:
+    """A float as text that ``float()`` reads back, NaN and infinities included."""
+    return "NaN" if math.isnan(value) else repr(value)
+
+
+class StateStore:
+    """Alerts and alert events in ``path`` (created, with its folder, when missing)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: safe against a killed process
+            self._db.executescript(_SCHEMA)
+            self._check_version()
+        except (OSError, sqlite3.Error) as exc:
+            raise StateError(f"state database {path}: {exc}") from None
+        self._lock = threading.Lock()
+
+    def _check_version(self) -> None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if row is None:
+            self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"schema version {row[0]}, expected {SCHEMA_VERSION}")
+
+    def load_alerts(self) -> dict[str, list[Alert]]:
+        """The active alerts, by rule key."""
+        by_rule: dict[str, list[Alert]] = {}
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT rule, fingerprint, labels, annotations, state, value, active_at,"
+                " fired_at, keep_firing_since FROM alerts ORDER BY rule, fingerprint"
+            ).fetchall()
+        for rule, fp, labels, notes, state, value, active_at, fired_at, keep in rows:
+            by_rule.setdefault(rule, []).append(
+                Alert(
+                    rule=rule,
+                    fingerprint=fp,
+                    labels=json.loads(labels),
+                    annotations=json.loads(notes),
+                    state=AlertState(state),
+                    value=float(value),
+                    active_at=active_at,
+                    fired_at=fired_at,
+                    keep_firing_since=keep,
+                )
+            )
+        return by_rule
+
+    def record(
+        self, alerts: Mapping[str, Iterable[Alert]], transitions: Iterable[Transition]
+    ) -> None:
+        """Replace the active alerts of the rules in ``alerts`` and append ``transitions``, in
+        one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for rule, current in alerts.items():
+                    self._db.execute("DELETE FROM alerts WHERE rule = ?", (rule,))
+                    self._db.executemany(
+                        "INSERT INTO alerts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [_alert_row(a) for a in current],
+                    )
+                self._db.executemany(
+                    "INSERT INTO alert_events (at, kind, rule, fingerprint, labels, annotations,"
+                    " value, active_at, fired_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [_event_row(t) for t in transitions],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def events(self, after_id: int = 0, limit: int = 1000) -> list[AlertEvent]:
+        """Recorded transitions with ids above ``after_id``, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, at, kind, rule, fingerprint, labels, annotations, value, active_at,"
+                " fired_at FROM alert_events WHERE id > ? ORDER BY id LIMIT ?",
+                (after_id, limit),
+            ).fetchall()
+        return [_event(row) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _alert_row(alert: Alert) -> tuple[Any, ...]:
+    return (
+        alert.fingerprint,
+        alert.rule,
+        json.dumps(alert.labels, sort_keys=True),
+        json.dumps(alert.annotations, sort_keys=True),
+        alert.state.value,
+        value_text(alert.value),
+        alert.active_at,
+        alert.fired_at,
+        alert.keep_firing_since,
+    )
+
+
+def _event_row(transition: Transition) -> tuple[Any, ...]:
+    alert = transition.alert
+    return (
+        transition.at,
+        transition.kind.value,
+        alert.rule,
+        alert.fingerprint,
+        json.dumps(alert.labels, sort_keys=True),
+        json.dumps(alert.annotations, sort_keys=True),
+        value_text(alert.value),
+        alert.active_at,
+        alert.fired_at,
+    )
+
+
+def _event(row: tuple[Any, ...]) -> AlertEvent:
+    id_, at, kind, rule, fp, labels, annotations, value, active_at, fired_at = row
+    return AlertEvent(
+        id=id_,
+        at=at,
+        kind=kind,
+        rule=rule,
+        fingerprint=fp,
+        labels=json.loads(labels),
+        annotations=json.loads(annotations),
+        value=float(value),
+        active_at=active_at,
+        fired_at=fired_at,
+    )

@@ -1,0 +1,204 @@
+"""Real servers on 127.0.0.1 for the monitor's tests: a Prometheus binary scraping given
+targets, and a ``/metrics`` endpoint that serves whatever the test sets."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+
+from .conftest import free_port, wait_for
+
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def prometheus_binary() -> str:
+    """The Prometheus server binary (scripts/test.sh installs it; a missing one fails)."""
+    path = shutil.which("prometheus")
+    assert path is not None, "the prometheus binary is not installed: apt-get install prometheus"
+    return path
+
+
+@dataclass
+class PromServer:
+    """A running Prometheus: its base URL and a few API helpers."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    directory: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return (self.directory / "prometheus.log").read_text(errors="replace")
+
+    def api(self, path: str, **params: Any) -> Any:
+        """``GET /api/v1/<path>``: the reply's ``data`` (fails the test on an API error)."""
+        reply = requests.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
+        assert reply["status"] == "success", reply
+        return reply["data"]
+
+    def targets_up(self) -> bool:
+        """Whether every active target has been scraped successfully."""
+        active = self.api("targets", state="active")["activeTargets"]
+        return bool(active) and all(target["health"] == "up" for target in active)
+
+    def wait_until_up(self, timeout: float = 30) -> None:
+        wait_for(self.targets_up, timeout, "Prometheus to scrape all its targets")
+
+
+def scrape_config(
+    targets: Sequence[str], *, job: str, interval: str, timeout: str | None = None
+) -> dict[str, Any]:
+    """A scrape config for metrics URLs (each keeps its own scheme and path)."""
+    static = []
+    for url in targets:
+        parts = urlsplit(url)
+        labels = {"__scheme__": parts.scheme, "__metrics_path__": parts.path or "/metrics"}
+        static.append({"targets": [parts.netloc], "labels": labels})
+    return {
+        "job_name": job,
+        "scrape_interval": interval,
+        "scrape_timeout": timeout or interval,
+        "static_configs": static,
+    }
+
+
+@contextmanager
+def prometheus(
+    directory: Path,
+    targets: Sequence[str] = (),
+    *,
+    job: str = "lossguard-agent",
+    scrape_interval: str = "1s",
+    evaluation_interval: str = "1s",
+    rule_files: Sequence[Path] = (),
+    ready_timeout: float = 30,
+) -> Iterator[PromServer]:
+    """Run Prometheus on a free port of 127.0.0.1, scraping the metrics URLs ``targets`` as
+    ``job``; its config, data and log live in ``directory``. Stopped on exit."""
+    binary = prometheus_binary()
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
+        "rule_files": [str(Path(path).resolve()) for path in rule_files],
+        "scrape_configs": [scrape_config(targets, job=job, interval=scrape_interval)],
+    }
+    config_path = directory / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    port = free_port()
+    with open(directory / "prometheus.log", "wb") as log:
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={directory / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    server = PromServer(process, port, directory)
+    try:
+        wait_for(lambda: _ready(server), ready_timeout, f"Prometheus ready on port {port}")
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _ready(server: PromServer) -> bool:
+    if server.process.poll() is not None:
+        raise AssertionError(f"Prometheus exited with {server.process.returncode}: {server.log}")
+    try:
+        return requests.get(f"{server.url}/-/ready", timeout=1).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+class ExpositionServer:
+    """``/metrics`` on 127.0.0.1: serves ``body`` (text, or a registry rendered per request)
+    with ``status``; while ``stalled``, requests hang until the server closes."""
+
+    def __init__(self, body: str | CollectorRegistry = "") -> None:
+        self.body = body
+        self.status = 200
+        self.stalled = False
+        self.requests = 0
+        self._release = threading.Event()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/metrics"
+
+    @property
+    def instance(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def render(self) -> bytes:
+        body = self.body
+        return generate_latest(body) if isinstance(body, CollectorRegistry) else body.encode()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        exposition = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                exposition.requests += 1
+                if exposition.stalled:
+                    exposition._release.wait(60)
+                    return
+                payload = exposition.render()
+                self.send_response(exposition.status)
+                self.send_header("Content-Type", TEXT_FORMAT)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                """Quiet: the tests assert on what matters."""
+
+        return Handler
+
+
+@contextmanager
+def exposition_server(body: str | CollectorRegistry = "") -> Iterator[ExpositionServer]:
+    server = ExpositionServer(body)
+    try:
+        yield server
+    finally:
+        server.close()

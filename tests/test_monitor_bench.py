@@ -1,0 +1,39 @@
+"""The monitor benchmark runs end to end: simulated agents in a child process, scraped and
+evaluated on the daemon's schedule, and reports numbers that make sense."""
+
+from __future__ import annotations
+
+import math
+
+from lossguard.agent.metrics import CATALOGUE
+from lossguard.monitor.bench import AgentFleet, results_table, run_benchmark
+from tests.conftest import REPO
+
+AGENTS = 4
+
+
+def test_benchmark_measures_scraping_and_evaluation() -> None:
+    result = run_benchmark(
+        agents=AGENTS,
+        seconds_measured=2.0,
+        interval_s=0.5,
+        rule_files=[REPO / "alerts" / "lossguard.rules.yml"],
+        warmup_cycles=2,
+    )
+    assert result.rules > 0
+    assert result.eval_cycles >= 3 and result.scrape_cycles >= 3
+    assert 0 < result.cpu_share < 2
+    assert 0 < result.agents_cpu_share < 2
+    assert 0 < result.evaluation.p50 <= result.evaluation.p95 <= result.evaluation.max
+    assert 0 < result.scrape.p50 <= result.scrape.p95 <= result.scrape.max
+    assert result.targets_up == AGENTS
+    assert result.samples_per_cycle >= AGENTS * len(CATALOGUE) * 2  # catalogue-sized
+    assert AGENTS * 20 <= result.series < result.samples_per_cycle  # the rules' names only
+    assert result.peak_rss_bytes > 0 and math.isfinite(result.projected_sample_bytes)
+    assert results_table(result).row_count > 5
+
+
+def test_fleet_child_ends_when_closed() -> None:
+    with AgentFleet(1) as fleet:
+        assert len(fleet.urls()) == 1
+    assert fleet.process.returncode is not None

@@ -1,0 +1,170 @@
+"""The monitor against live agents with injected faults, side by side with a real Prometheus
+server evaluating the very same rules file on the very same agents.
+
+One scenario, so its slow parts overlap: a NaN fault makes LossNonFinite fire and, once training
+is healthy again and the 2-minute window has passed, resolve; a SIGKILLed agent makes
+LossguardAgentDown fire; the monitor itself is SIGKILLed and restarted mid-alert and carries on
+with the same alert (same fingerprint, announced once). Prometheus must fire and resolve the
+same alerts, with the same labels, within a few scrape intervals of the monitor.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from tests.conftest import (
+    REPO,
+    alert_events,
+    free_port,
+    start_agent,
+    start_monitor,
+    stop_process,
+    tiny_settings,
+    wait_for,
+    write_config,
+    write_monitor_config,
+)
+from tests.promserver import prometheus
+
+RULES = REPO / "alerts" / "lossguard.rules.yml"
+AGREEMENT_S = 6.0  # a few 1 s scrape and evaluation intervals
+Key = tuple[tuple[str, str], ...]
+
+
+class PrometheusAlerts:
+    """Polls Prometheus's /api/v1/alerts; when each alert (by labels) first fired and when it
+    stopped firing."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.fired: dict[Key, float] = {}
+        self.ended: dict[Key, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                alerts = requests.get(f"{self.url}/api/v1/alerts", timeout=5).json()
+            except (requests.RequestException, ValueError):
+                continue
+            now = time.time()
+            firing = {
+                tuple(sorted(a["labels"].items()))
+                for a in alerts["data"]["alerts"]
+                if a["state"] == "firing"
+            }
+            for key in firing:
+                self.fired.setdefault(key, now)
+            for key in set(self.fired) - firing:
+                self.ended.setdefault(key, now)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def monitor_times(db: Path, kind: str, alertname: str) -> dict[Key, float]:
+    return {
+        tuple(sorted(e["labels"].items())): e["at"]
+        for e in alert_events(db)
+        if e["kind"] == kind and e["labels"]["alertname"] == alertname
+    }
+
+
+def firing_gauge(base_url: str, alertname: str) -> bool:
+    try:
+        text = requests.get(f"{base_url}/metrics", timeout=5).text
+    except requests.ConnectionError:
+        return False
+    return f'lossguard_monitor_alerts{{alertname="{alertname}",state="firing"}} 1.0' in text
+
+
+def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    runs = tmp_path / "runs"
+    throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.03}
+    faults = {
+        "nan": [{"kind": "nonfinite_loss", "step": 150, "duration": 2}, throttle],
+        "victim": [throttle],
+    }
+    ports = {run_id: free_port() for run_id in faults}
+    urls = {run_id: f"http://127.0.0.1:{port}/metrics" for run_id, port in ports.items()}
+    config, monitor_url = write_monitor_config(
+        tmp_path / "monitor.yml", [RULES], scrape={"runs_root": str(runs)}
+    )
+    db = tmp_path / "state.db"
+    monitor = start_monitor(config)
+    agents: dict[str, subprocess.Popen] = {}
+    with prometheus(tmp_path / "prometheus", list(urls.values()), rule_files=[RULES]) as server:
+        # both watchers are up before the agents start, so both see the NaN step happen
+        for run_id, run_faults in faults.items():
+            settings = tiny_settings(
+                runs,
+                corpus_cache,
+                run={"id": run_id},
+                train={"max_steps": 10**7, "log_every": 5, "eval_every": 10**6},
+                telemetry={"port": ports[run_id]},
+                faults=run_faults,
+            )
+            agents[run_id] = start_agent(write_config(tmp_path / f"{run_id}.yaml", settings))
+        theirs = PrometheusAlerts(server.url)
+        try:
+            # the NaN fault: fires in both, with the same labels
+            nan_fired = wait_for(
+                lambda: monitor_times(db, "firing", "LossNonFinite"), 120, "LossNonFinite"
+            )
+            ((nan_key, nan_at),) = nan_fired.items()
+            assert dict(nan_key)["run_id"] == "nan" and dict(nan_key)["action"] == "rollback"
+            wait_for(lambda: nan_key in theirs.fired, 30, "Prometheus firing LossNonFinite")
+            assert abs(theirs.fired[nan_key] - nan_at) < AGREEMENT_S
+
+            # an agent killed outright: down in both
+            agents["victim"].send_signal(signal.SIGKILL)
+            agents["victim"].wait()
+
+            # the monitor killed mid-alert and restarted: same alert, nothing announced twice
+            monitor.kill()
+            monitor.wait()
+            monitor = start_monitor(config)
+            wait_for(lambda: firing_gauge(monitor_url, "LossNonFinite"), 60, "monitor back")
+            nan_events = [
+                e for e in alert_events(db) if e["labels"]["alertname"] == "LossNonFinite"
+            ]
+            assert [e["kind"] for e in nan_events] == ["pending", "firing"]
+
+            down = wait_for(
+                lambda: monitor_times(db, "firing", "LossguardAgentDown"), 120, "agent down"
+            )
+            ((down_key, down_at),) = down.items()
+            assert dict(down_key)["instance"] == urls["victim"].split("/")[2]
+            wait_for(lambda: down_key in theirs.fired, 30, "Prometheus firing agent down")
+            assert abs(theirs.fired[down_key] - down_at) < AGREEMENT_S
+
+            # training healthy again: LossNonFinite resolves in both
+            resolved = wait_for(
+                lambda: monitor_times(db, "resolved", "LossNonFinite"), 200, "NaN resolved"
+            )
+            assert resolved[nan_key] - nan_at > 100  # the 2-minute window had to pass
+            wait_for(lambda: nan_key in theirs.ended, 30, "Prometheus resolving LossNonFinite")
+            assert abs(theirs.ended[nan_key] - resolved[nan_key]) < AGREEMENT_S
+            assert agents["nan"].poll() is None  # the NaN never stopped training
+            fingerprints = {
+                e["fingerprint"]
+                for e in alert_events(db)
+                if e["labels"]["alertname"] == "LossNonFinite"
+            }
+            assert len(fingerprints) == 1
+        finally:
+            theirs.close()
+            assert stop_process(monitor) == 0
+            for agent in agents.values():
+                stop_process(agent)
