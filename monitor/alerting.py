@@ -80,7 +80,7 @@ def rule_keys(groups: list[RuleGroup]) -> list[tuple[str, RuleGroup, AlertingRul
         for rule in group.rules:
             seen[rule.name] = seen.get(rule.name, 0) + 1
             suffix = f"#{seen[rule.name]}" if seen[rule.name] > 1 else ""
-            keyed.append((f"{group.file}:{group.name}/{rule.name}{suffix}", group, rule))
+            keyed.append((f"{group.key}/{rule.name}{suffix}", group, rule))
     return keyed
 
 
@@ -120,11 +120,13 @@ class RuleAlerts:
                     "vector contains metrics with the same labelset after applying alert labels"
                 )
             found[alert.fingerprint] = alert
-        active = set(found) | set(self.alerts)
-        if self.group.limit and len(active) > self.group.limit:
-            raise EvaluationFailed(
-                f"exceeded limit of {self.group.limit} with {len(active)} alerts"
-            )
+        staying = len(found) + sum(
+            1
+            for fp, alert in self.alerts.items()
+            if fp not in found and (self._held(alert, hold_missing) or self._kept(alert, t))
+        )
+        if self.group.limit and staying > self.group.limit:
+            raise EvaluationFailed(f"exceeded limit of {self.group.limit} with {staying} alerts")
         transitions: list[Transition] = []
         for fp, new in found.items():
             old = self.alerts.get(fp)
@@ -135,7 +137,7 @@ class RuleAlerts:
                 old.value, old.annotations, old.labels = new.value, new.annotations, new.labels
                 old.keep_firing_since = None
         for fp, alert in list(self.alerts.items()):
-            if fp not in found and hold_missing:
+            if fp not in found and self._held(alert, hold_missing):
                 continue
             if fp not in found and not self._keeps_firing(alert, t):
                 del self.alerts[fp]
@@ -157,6 +159,19 @@ class RuleAlerts:
 
     def firing(self) -> list[Alert]:
         return [a for a in self.alerts.values() if a.state is AlertState.FIRING]
+
+    @staticmethod
+    def _held(alert: Alert, hold_missing: bool) -> bool:
+        """A firing alert outlives a result that cannot yet say it ended; a pending one does
+        not (its ``for`` must be observed)."""
+        return hold_missing and alert.state is AlertState.FIRING
+
+    def _kept(self, alert: Alert, t: float) -> bool:
+        """Whether ``keep_firing_for`` would keep a missing alert firing at ``t``."""
+        if alert.state is not AlertState.FIRING or self.rule.keep_firing_for_s <= 0:
+            return False
+        since = t if alert.keep_firing_since is None else alert.keep_firing_since
+        return t - since < self.rule.keep_firing_for_s
 
     def _keeps_firing(self, alert: Alert, t: float) -> bool:
         if alert.state is not AlertState.FIRING or self.rule.keep_firing_for_s <= 0:

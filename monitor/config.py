@@ -18,6 +18,7 @@ from lossguard.agent.config import (
     read_config_file,
 )
 from lossguard.monitor.promql.literals import parse_duration
+from lossguard.monitor.sources.discovery import instance_of
 
 DEFAULT_PORT = 9411
 
@@ -28,6 +29,12 @@ def seconds(text: str) -> float:
         return parse_duration(text) / 1000
     except ValueError:
         raise ValueError(f"not a valid duration: {text!r} (e.g. 1s, 30s, 5m, 1h30m)") from None
+
+
+def http_url(url: str) -> str:
+    """``url`` if it is an http(s) URL with a host and a valid port (raises ValueError)."""
+    instance_of(url)
+    return url
 
 
 class _Durations(Section):
@@ -58,9 +65,14 @@ class ScrapeConfig(_Durations):
     @classmethod
     def _urls(cls, targets: list[str]) -> list[str]:
         for url in targets:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} is not an http(s) URL")
+            http_url(url)
         return targets
+
+    @model_validator(mode="after")
+    def _timeout_within_interval(self) -> ScrapeConfig:
+        if self.timeout is not None and seconds(self.timeout) > seconds(self.interval):
+            raise field_error("timeout", "must not exceed scrape.interval")
+        return self
 
 
 class PrometheusConfig(_Durations):
@@ -70,9 +82,7 @@ class PrometheusConfig(_Durations):
     @field_validator("url")
     @classmethod
     def _url(cls, url: str) -> str:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"{url!r} is not an http(s) URL")
-        return url.rstrip("/")
+        return http_url(url).rstrip("/")
 
 
 class RulesConfig(_Durations):

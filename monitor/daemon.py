@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import signal
+import sqlite3
 import threading
 import time
 from types import FrameType
 from typing import Any
 
-from lossguard.monitor.alerting import Transition, TransitionKind
+from lossguard.monitor.alerting import AlertState, Transition, TransitionKind
 from lossguard.monitor.config import MonitorConfig, seconds
 from lossguard.monitor.metrics import MonitorMetrics, MonitorServer
 from lossguard.monitor.promql import Value
@@ -38,17 +39,25 @@ class Monitor:
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
         self.interval_s = seconds(config.rules.evaluation_interval)
-        groups = load_rule_files(config.rules.files)  # RuleError: the caller exits 2
+        groups = self._load_rules()  # RuleError: the caller exits 2
         self.store = StateStore(config.state.path)
         self.metrics = MonitorMetrics()
+        self._unrecorded: list[Transition] = []
+        self._unrecorded_rules: set[str] = set()
+        now = time.time()
+        stored = self.store.load_alerts()
+        last = self.store.last_evaluation()
+        for alert in (a for alerts in stored.values() for a in alerts):
+            if alert.state is AlertState.PENDING and last is not None:
+                alert.active_at += now - last  # as Prometheus: downtime does not count to `for`
         self.ruleset, ended = RuleSet.restore(
             groups,
-            self.store.load_alerts(),
-            time.time(),
+            stored,
+            now,
             external_labels=config.rules.external_labels,
             external_url=config.rules.external_url,
         )
-        self._record(ended, list(self.ruleset.active()))
+        self._record(ended, set(stored) | set(self.ruleset.active()))
         self.source = self._make_source(groups)
         self._loaded(groups)
         self._stop = threading.Event()
@@ -97,7 +106,11 @@ class Monitor:
                 now = time.time()
                 due = self.schedule.due(self.ruleset.groups, now)
                 if due:
-                    self.evaluate(now, due)
+                    try:
+                        self.evaluate(now, due)
+                    except Exception:  # the daemon outlives any one cycle
+                        log.exception("evaluation cycle failed")
+                        self.schedule.done(self.ruleset.groups, due, now)
                 self._wake.wait(max(0.0, self.schedule.wake_time(now) - time.time()))
                 self._wake.clear()
         finally:
@@ -116,13 +129,13 @@ class Monitor:
             observe=self.metrics.evaluation.observe,
             history_start=history_start,
         )
-        evaluated = [e for e in self.ruleset.rules if groups is None or e.group.name in groups]
+        evaluated = [e for e in self.ruleset.rules if groups is None or e.group.key in groups]
         for entry in evaluated:
             if entry.last_error is not None and entry.last_evaluation == t:
                 self.metrics.evaluation_failures.labels(entry.rule.name).inc()
                 log.warning("rule %s failed: %s", entry.rule.name, entry.last_error)
-        self._record(transitions, [e.key for e in evaluated])
-        self.schedule.done(self.ruleset.groups, groups or {g.name for g in self.ruleset.groups}, t)
+        self._record(transitions, {e.key for e in evaluated}, t)
+        self.schedule.done(self.ruleset.groups, groups or {g.key for g in self.ruleset.groups}, t)
         self.metrics.update_alerts(self.ruleset.rules)
         self.metrics.update_targets(self.source.targets())
         self._last_cycle = t
@@ -131,9 +144,28 @@ class Monitor:
     def _query(self, rule: AlertingRule, t: float) -> Value:
         return self.source.query(rule.expr, t)
 
-    def _record(self, transitions: list[Transition], rule_keys: list[str]) -> None:
+    def _record(
+        self, transitions: list[Transition], rule_keys: set[str], t: float | None = None
+    ) -> None:
+        """Persist the rules' alerts and the transitions (with any a failed write left over),
+        then log and count the transitions."""
+        self._unrecorded.extend(transitions)
+        self._unrecorded_rules.update(rule_keys)
         active = self.ruleset.active()
-        self.store.record({key: active.get(key, []) for key in rule_keys}, transitions)
+        try:
+            self.store.record(
+                {key: active.get(key, []) for key in self._unrecorded_rules},
+                self._unrecorded,
+                evaluated_at=t,
+            )
+        except sqlite3.Error as exc:
+            log.error(
+                "state database: %s; %d transitions wait for the next evaluation",
+                exc,
+                len(self._unrecorded),
+            )
+        else:
+            self._unrecorded, self._unrecorded_rules = [], set()
         for transition in transitions:
             alert = transition.alert
             self.metrics.transitions.labels(
@@ -161,7 +193,7 @@ class Monitor:
     def reload(self) -> bool:
         """Re-read the rule files; on any problem keep the rules in force and say why."""
         try:
-            groups = load_rule_files(self.config.rules.files)
+            groups = self._load_rules()
         except RuleError as exc:
             self.metrics.reload_success.set(0)
             log.error(
@@ -172,7 +204,7 @@ class Monitor:
             return False
         previous = {e.key for e in self.ruleset.rules}
         self.ruleset, ended = self.ruleset.replace(groups, time.time())
-        self._record(ended, sorted(previous | {e.key for e in self.ruleset.rules}))
+        self._record(ended, previous | {e.key for e in self.ruleset.rules})
         if isinstance(self.source, ScrapeSource):
             self.source.retention_s = longest_range_s(groups) + RETENTION_MARGIN_S
             self.source.keep_names = metric_names(groups)
@@ -180,6 +212,12 @@ class Monitor:
         self._loaded(groups)
         log.info("rules reloaded: %d rules", len(self.ruleset.rules))
         return True
+
+    def _load_rules(self) -> list[RuleGroup]:
+        """The rule files; Prometheus evaluates any PromQL, the embedded evaluator its subset."""
+        return load_rule_files(
+            self.config.rules.files, full_promql=self.config.source == "prometheus"
+        )
 
     def _loaded(self, groups: list[RuleGroup]) -> None:
         self.metrics.rules_loaded.set(sum(len(g.rules) for g in groups))

@@ -16,7 +16,14 @@ from typing import Any
 
 import yaml
 
-from lossguard.monitor.promql import LOOKBACK_MS, Expr, PromQLError, parse
+from lossguard.monitor.promql import (
+    LOOKBACK_MS,
+    METRIC_NAME,
+    Expr,
+    PromQLError,
+    UnsupportedError,
+    parse,
+)
 from lossguard.monitor.promql.literals import parse_duration
 from lossguard.monitor.promql.nodes import (
     Aggregation,
@@ -39,11 +46,12 @@ class RuleError(ValueError):
 
 @dataclass(frozen=True)
 class AlertingRule:
-    """One ``alert:`` rule, parsed and checked."""
+    """One ``alert:`` rule, parsed and checked; ``query`` is None for an expression outside the
+    embedded evaluator's subset, loaded for a Prometheus source."""
 
     name: str
     expr: str
-    query: Expr = field(compare=False)
+    query: Expr | None = field(compare=False)
     for_s: float = 0.0
     keep_firing_for_s: float = 0.0
     labels: tuple[tuple[str, str], ...] = ()
@@ -60,26 +68,37 @@ class RuleGroup:
     interval_s: float | None = None
     limit: int = 0
 
+    @property
+    def key(self) -> str:
+        """``file.yml:group``: stable when the checkout moves (by file name, not path)."""
+        return f"{Path(self.file).name}:{self.name}"
 
-def load_rule_files(paths: Iterable[str | Path]) -> list[RuleGroup]:
-    """Every group of every file, checked; group names must be unique within a file."""
+
+def load_rule_files(paths: Iterable[str | Path], *, full_promql: bool = False) -> list[RuleGroup]:
+    """Every group of every file, checked; group names must be unique within a file. With
+    ``full_promql`` (rules evaluated by Prometheus), expressions outside the embedded subset
+    are accepted; syntax errors never are."""
     groups: list[RuleGroup] = []
     for path in paths:
-        groups.extend(load_rule_file(path))
+        groups.extend(load_rule_file(path, full_promql=full_promql))
     return groups
 
 
-def load_rule_file(path: str | Path) -> list[RuleGroup]:
+def load_rule_file(path: str | Path, *, full_promql: bool = False) -> list[RuleGroup]:
     """The groups of one rule file; raises :class:`RuleError` on the first problem."""
     name = str(path)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise RuleError(f"{name}: cannot read: {exc.strerror or exc}") from None
-    return parse_rule_file(text, name)
+    except UnicodeDecodeError as exc:
+        raise RuleError(f"{name}: not UTF-8 text (byte {exc.start})") from None
+    return parse_rule_file(text, name, full_promql=full_promql)
 
 
-def parse_rule_file(text: str, name: str = "<rules>") -> list[RuleGroup]:
+def parse_rule_file(
+    text: str, name: str = "<rules>", *, full_promql: bool = False
+) -> list[RuleGroup]:
     """The groups in ``text`` (the file's contents; ``name`` is used in errors)."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -97,7 +116,7 @@ def parse_rule_file(text: str, name: str = "<rules>") -> list[RuleGroup]:
     groups: list[RuleGroup] = []
     seen: set[str] = set()
     for group_node in _sequence(groups_node, name, "groups"):
-        group = _group(group_node, name)
+        group = _group(group_node, name, full_promql)
         if group.name in seen:
             raise RuleError(f'{name}:{_line(group_node)}: group name "{group.name}" is repeated')
         seen.add(group.name)
@@ -113,7 +132,7 @@ def longest_range_s(groups: Iterable[RuleGroup]) -> float:
 
 def reach_s(rule: AlertingRule) -> float:
     """The history a rule's ranges and offsets need, beyond the latest samples."""
-    return _reach_ms(rule.query) / 1000
+    return _reach_ms(rule.query) / 1000 if rule.query is not None else 0.0
 
 
 def metric_names(groups: Iterable[RuleGroup]) -> frozenset[str] | None:
@@ -121,7 +140,7 @@ def metric_names(groups: Iterable[RuleGroup]) -> frozenset[str] | None:
     names: set[str] = set()
     for group in groups:
         for rule in group.rules:
-            for selector in _selectors(rule.query):
+            for selector in _selectors(rule.query) if rule.query is not None else ():
                 if selector.name is None:
                     return None
                 names.add(selector.name)
@@ -155,7 +174,7 @@ def _children(node: Expr) -> tuple[Expr, ...]:
     return ()
 
 
-def _group(node: yaml.Node, file: str) -> RuleGroup:
+def _group(node: yaml.Node, file: str, full_promql: bool) -> RuleGroup:
     fields = _mapping(node, file, "a group", _GROUP_KEYS)
     group_name = _string(fields.get("name"), file, "group name", node)
     if not group_name:
@@ -172,13 +191,13 @@ def _group(node: yaml.Node, file: str) -> RuleGroup:
     return RuleGroup(
         name=group_name,
         file=file,
-        rules=tuple(_rule(rule, file, where, i + 1) for i, rule in enumerate(rules)),
+        rules=tuple(_rule(rule, file, where, i + 1, full_promql) for i, rule in enumerate(rules)),
         interval_s=interval_s,
         limit=limit,
     )
 
 
-def _rule(node: yaml.Node, file: str, group: str, index: int) -> AlertingRule:
+def _rule(node: yaml.Node, file: str, group: str, index: int, full_promql: bool) -> AlertingRule:
     fields = _mapping(node, file, f"{group}: rule {index}", _RULE_KEYS)
     if "record" in fields:
         raise RuleError(
@@ -189,14 +208,19 @@ def _rule(node: yaml.Node, file: str, group: str, index: int) -> AlertingRule:
         raise RuleError(f"{file}:{_line(node)}: {group}: rule {index}: 'alert' must be set")
     name = _string(fields["alert"], file, f"{group}: rule {index}: alert", node)
     where = f'{group}: rule {index} ("{name}")'
-    if not LABEL_NAME.fullmatch(name):
-        raise RuleError(f"{file}:{_line(node)}: {where}: invalid alert name")
+    if not name:
+        raise RuleError(f"{file}:{_line(node)}: {where}: alert name must not be empty")
     if "expr" not in fields:
         raise RuleError(f"{file}:{_line(node)}: {where}: 'expr' must be set")
     expr_node = fields["expr"]
     expr = _string(expr_node, file, f"{where}: expr", node)
+    query: Expr | None
     try:
         query = parse(expr)
+    except UnsupportedError as exc:
+        if not full_promql:
+            raise RuleError(f"{file}:{_line(expr_node)}: {where}: expr: {exc}") from None
+        query = None
     except PromQLError as exc:
         raise RuleError(f"{file}:{_line(expr_node)}: {where}: expr: {exc}") from None
     for_node, keep_node = fields.get("for"), fields.get("keep_firing_for")
@@ -208,17 +232,19 @@ def _rule(node: yaml.Node, file: str, group: str, index: int) -> AlertingRule:
         keep_firing_for_s=(
             _duration(keep_node, file, f"{where}: keep_firing_for") if keep_node else 0.0
         ),
-        labels=_templates(fields.get("labels"), file, f"{where}: labels"),
+        labels=_templates(fields.get("labels"), file, f"{where}: labels", METRIC_NAME),
         annotations=_templates(fields.get("annotations"), file, f"{where}: annotations"),
     )
 
 
-def _templates(node: yaml.Node | None, file: str, where: str) -> tuple[tuple[str, str], ...]:
+def _templates(
+    node: yaml.Node | None, file: str, where: str, reserved: str | None = None
+) -> tuple[tuple[str, str], ...]:
     if node is None:
         return ()
     pairs: list[tuple[str, str]] = []
     for key, value in _mapping(node, file, where, None).items():
-        if not LABEL_NAME.fullmatch(key) or key.startswith("__"):
+        if not LABEL_NAME.fullmatch(key) or key == reserved:
             raise RuleError(f"{file}:{_line(node)}: {where}: invalid name {key!r}")
         text = _string(value, file, f"{where}: {key}", node)
         try:

@@ -3,6 +3,7 @@ the alerts of unchanged rules carried over."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -19,6 +20,8 @@ from lossguard.monitor.alerting import (
 from lossguard.monitor.promql import PromQLError, Value
 from lossguard.monitor.rules import AlertingRule, RuleGroup, reach_s
 from lossguard.monitor.sources import SourceError
+
+log = logging.getLogger("lossguard.monitor")
 
 Query = Callable[[AlertingRule, float], Value]
 """Evaluates a rule's expression at a time (the embedded evaluator, or a Prometheus server)."""
@@ -57,7 +60,7 @@ class RuleSet:
         whose ranges reach back before ``history_start`` resolves none of its alerts."""
         transitions: list[Transition] = []
         for entry in self.rules:
-            if groups is not None and entry.group.name not in groups:
+            if groups is not None and entry.group.key not in groups:
                 continue
             started = time.perf_counter()
             try:
@@ -73,6 +76,9 @@ class RuleSet:
                 )
             except (PromQLError, SourceError, EvaluationFailed) as exc:
                 entry.fail(str(exc), t)
+            except Exception as exc:  # a bug in one rule must not stop the others
+                log.exception("rule %s: unexpected error", entry.rule.name)
+                entry.fail(f"internal error: {type(exc).__name__}: {exc}", t)
             if observe is not None:
                 observe(time.perf_counter() - started)
         return transitions
@@ -137,15 +143,15 @@ class Schedule:
         self._next: dict[str, float] = {}
 
     def due(self, groups: Iterable[RuleGroup], now: float) -> set[str]:
-        """The groups to evaluate at ``now``."""
-        return {g.name for g in groups if self._next.get(g.name, -math.inf) <= now}
+        """The keys of the groups to evaluate at ``now``."""
+        return {g.key for g in groups if self._next.get(g.key, -math.inf) <= now}
 
     def done(self, groups: Iterable[RuleGroup], names: set[str], t: float) -> None:
         """Groups ``names`` were evaluated at ``t``: each is next due one interval on."""
         for group in groups:
-            if group.name in names:
+            if group.key in names:
                 interval = group.interval_s or self.default_interval_s
-                self._next[group.name] = (math.floor(t / interval) + 1) * interval
+                self._next[group.key] = (math.floor(t / interval) + 1) * interval
 
     def wake_time(self, now: float) -> float:
         """When the next group is due (a default interval from ``now`` before any ran)."""

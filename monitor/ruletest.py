@@ -119,7 +119,7 @@ def _run(test: _TestGroup, groups: list[Any], eval_ms: int) -> list[str]:
     ruleset = RuleSet(groups, external_labels=test.external_labels, external_url=test.external_url)
 
     def query(rule: AlertingRule, t: float) -> Any:
-        return evaluate(rule.query, storage, t)
+        return evaluate(rule.query or rule.expr, storage, t)
 
     errors: list[str] = []
     prefix = f"    name: {test.name},\n" if test.name else ""

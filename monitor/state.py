@@ -79,13 +79,15 @@ class StateStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.touch(mode=0o600)  # owner-only; SQLite gives its -wal and -shm the same mode
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: safe against a killed process
+            self._db.execute("PRAGMA busy_timeout=5000")  # another reader or writer: wait
             self._db.executescript(_SCHEMA)
             self._check_version()
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, ValueError, sqlite3.Error) as exc:
             raise StateError(f"state database {path}: {exc}") from None
         self._lock = threading.Lock()
 
@@ -121,10 +123,14 @@ class StateStore:
         return by_rule
 
     def record(
-        self, alerts: Mapping[str, Iterable[Alert]], transitions: Iterable[Transition]
+        self,
+        alerts: Mapping[str, Iterable[Alert]],
+        transitions: Iterable[Transition],
+        *,
+        evaluated_at: float | None = None,
     ) -> None:
-        """Replace the active alerts of the rules in ``alerts`` and append ``transitions``, in
-        one transaction."""
+        """Replace the active alerts of the rules in ``alerts``, append ``transitions`` and note
+        the evaluation time, in one transaction."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -139,10 +145,23 @@ class StateStore:
                     " value, active_at, fired_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [_event_row(t) for t in transitions],
                 )
+                if evaluated_at is not None:
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO meta VALUES ('last_evaluation', ?)",
+                        (repr(evaluated_at),),
+                    )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def last_evaluation(self) -> float | None:
+        """When the last evaluation was recorded (None before any)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT value FROM meta WHERE key = 'last_evaluation'"
+            ).fetchone()
+        return float(row[0]) if row else None
 
     def events(self, after_id: int = 0, limit: int = 1000) -> list[AlertEvent]:
         """Recorded transitions with ids above ``after_id``, oldest first."""

@@ -1102,6 +1102,6 @@ def expand(
         data = _Data(dict(labels), dict(external_labels or {}), external_url, float(value))
         executor = _Executor(data)
         executor.run(nodes, data)
-    except (TemplateError, _ExecError) as exc:
+    except (TemplateError, _ExecError, ValueError, OverflowError) as exc:
         return f"<error expanding template: {exc}>"
     return "".join(executor.out)

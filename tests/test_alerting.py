@@ -207,3 +207,78 @@ def test_alerts_of_rules_that_need_older_history_are_held_not_resolved() -> None
     assert ruleset.evaluate(lambda rule, t: [], 150, history_start=100) == []
     assert kinds(ruleset.evaluate(lambda rule, t: [], 219, history_start=100)) == []
     assert kinds(ruleset.evaluate(lambda rule, t: [], 220, history_start=100)) == ["resolved"]
+
+
+def test_limit_counts_only_alerts_that_stay() -> None:
+    (entry,) = RuleSet(
+        groups("groups: [{name: g, limit: 2, rules: [{alert: A, expr: up == 0}]}]")
+    ).rules
+
+    def down(*names: str) -> list[Sample]:
+        return [Sample(make_labels({"__name__": "up", "i": n}), 0) for n in names]
+
+    entry.evaluate(down("a", "b"), 0)
+    moved = entry.evaluate(down("c", "d"), 10)  # a and b end as c and d start: 2 stay
+    assert sorted(kinds(moved)) == [
+        "firing",
+        "firing",
+        "pending",
+        "pending",
+        "resolved",
+        "resolved",
+    ]
+
+
+def test_pending_alerts_are_not_held_while_history_is_short() -> None:
+    text = "groups: [{name: g, rules: [{alert: S, expr: 'max_over_time(x[10m]) > 1', for: 5m}]}]"
+    ruleset = RuleSet(groups(text))
+    assert kinds(ruleset.evaluate(lambda rule, t: [sample(2)], 0)) == ["pending"]
+    # after a restart: no history for the 10m window, but a pending alert must be observed
+    assert kinds(ruleset.evaluate(lambda rule, t: [], 60, history_start=50)) == ["inactive"]
+
+
+def test_an_unexpected_error_in_one_rule_leaves_the_others_running() -> None:
+    ruleset = RuleSet(groups())
+
+    def flaky(rule: object, t: float) -> list[Sample]:
+        if getattr(rule, "name", "") == "LossHigh":
+            raise RuntimeError("boom")
+        return [Sample(make_labels({"__name__": "flappy"}), 1)]
+
+    assert kinds(ruleset.evaluate(flaky, 0)) == ["pending", "firing"]
+    assert ruleset.rules[0].last_error == "internal error: RuntimeError: boom"
+
+
+def test_restarts_announce_ended_alerts_once_and_downtime_does_not_count_to_for(
+    tmp_path: Path,
+) -> None:
+    from lossguard.monitor.config import MonitorConfig
+    from lossguard.monitor.daemon import Monitor
+
+    rules = tmp_path / "rules.yml"
+    rules.write_text(RULES)
+    config = MonitorConfig.model_validate(
+        {
+            "rules": {"files": [str(rules)]},
+            "scrape": {"targets": ["http://127.0.0.1:9/metrics"]},
+            "state": {"path": str(tmp_path / "state.db")},
+            "listen": {"port": 0},
+        }
+    )
+    monitor = Monitor(config)
+    loss = next(e for e in monitor.ruleset.rules if e.rule.name == "LossHigh")
+    flappy = next(e for e in monitor.ruleset.rules if e.rule.name == "Flappy")
+    transitions = flappy.evaluate([Sample(make_labels({"__name__": "flappy"}), 1)], 100)
+    transitions += loss.evaluate([sample(9)], 100)
+    monitor.store.record(monitor.ruleset.active(), transitions, evaluated_at=100)
+    monitor.close()
+
+    rules.write_text(RULES.split("      - alert: Flappy")[0])  # Flappy removed
+    for _ in range(3):
+        restarted = Monitor(config)
+        (pending,) = restarted.ruleset.rules[0].alerts.values()
+        assert pending.active_at > 1000  # shifted by the downtime: its `for` starts over
+        restarted.close()
+    store = StateStore(tmp_path / "state.db")
+    assert [e.kind for e in store.events()] == ["pending", "firing", "pending", "resolved"]
+    assert (tmp_path / "state.db").stat().st_mode & 0o777 == 0o600

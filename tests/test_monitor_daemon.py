@@ -68,6 +68,12 @@ def firing(base_url: str, alertname: str) -> float | None:
         ({"rules": {"files": []}}, "rules.files: "),
         ({"rules": {"files": ["r.yml"], "evaluation_interval": "soon"}}, "not a valid duration"),
         ({"rules": {"files": ["r.yml"]}, "scrape": {"targets": ["ftp://x"]}}, "not an http"),
+        ({"rules": {"files": ["r.yml"]}, "scrape": {"targets": ["http://h:99999/m"]}}, "h:99999"),
+        (
+            {"rules": {"files": ["r.yml"]}, "scrape": {"runs_root": ".", "timeout": "2s"}},
+            "scrape.timeout: must not exceed scrape.interval",
+        ),
+        ({"rules": {"files": ["latin1.yml"]}, "scrape": {"runs_root": "."}}, "not UTF-8"),
         ({"rules": {"files": ["r.yml"]}, "source": "prometheus"}, "prometheus: required when"),
         ({"rules": {"files": ["r.yml"]}}, "scrape: give targets, runs_root, or both"),
         ({"rules": {"files": ["r.yml"]}, "extra": 1}, "extra: unknown key"),
@@ -80,6 +86,7 @@ def test_bad_configs_and_rule_files_exit_2_with_one_line(
 ) -> None:
     (tmp_path / "r.yml").write_text(RULES)
     (tmp_path / "bad.yml").write_text("groups: [{name: g, rules: [{alert: A, expr: 'up ='}]}]")
+    (tmp_path / "latin1.yml").write_bytes(b"# caf\xe9\ngroups: []\n")
     config = tmp_path / "monitor.yml"
     config.write_text(yaml.safe_dump(settings))
     result = monitor_cli("run", "--config", str(config))

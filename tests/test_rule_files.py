@@ -65,14 +65,14 @@ def test_a_good_file_loads_with_its_durations_and_what_it_reads() -> None:
         ("groups: [{name: g, rules: [{alert: A, expr: up, lables: {}}]}]", "unknown field 'lab"),
         ("groups: [{name: g}, {name: g}]", r'group name "g" is repeated'),
         ("groups: [{name: '', rules: []}]", "group name must not be empty"),
-        ("groups: [{name: g, rules: [{alert: 'A-b', expr: up}]}]", "invalid alert name"),
+        ("groups: [{name: g, rules: [{alert: '', expr: up}]}]", "alert name must not be empty"),
         (
             "groups: [{name: g, rules: [{alert: A, expr: up, annotations: {s: '{{ $value '}}]}]",
             r"annotations: s:",
         ),
         (
-            "groups: [{name: g, rules: [{alert: A, expr: up, labels: {__x: y}}]}]",
-            "invalid name '__x'",
+            "groups: [{name: g, rules: [{alert: A, expr: up, labels: {__name__: y}}]}]",
+            "invalid name '__name__'",
         ),
         ("groups: [{name: g\n", "invalid YAML"),
         ("groups: {name: g}", "groups must be a list"),
@@ -82,6 +82,19 @@ def test_bad_rule_files_are_refused_in_one_line(text: str, message: str) -> None
     with pytest.raises(RuleError, match=message) as caught:
         parse_rule_file(text, "x.yml")
     assert "\n" not in str(caught.value) and str(caught.value).startswith("x.yml:")
+
+
+def test_full_promql_is_accepted_for_prometheus_but_syntax_errors_never_are() -> None:
+    text = "groups: [{name: g, rules: [{alert: A, expr: 'histogram_quantile(0.9, x) > 1'}]}]"
+    with pytest.raises(RuleError, match="unsupported PromQL: function histogram_quantile"):
+        parse_rule_file(text, "x.yml")
+    ((rule,),) = [g.rules for g in parse_rule_file(text, "x.yml", full_promql=True)]
+    assert rule.query is None and rule.expr.startswith("histogram_quantile")
+    with pytest.raises(RuleError, match="unexpected end of input"):
+        parse_rule_file(
+            text.replace("histogram_quantile(0.9, x) > 1", "up =="), "x.yml", full_promql=True
+        )
+    assert metric_names(parse_rule_file(text, "x.yml", full_promql=True)) == frozenset()
 
 
 def test_rules_check_matches_promtool_verdicts(tmp_path: Path) -> None:
