@@ -17,6 +17,18 @@ EXIT_INTERRUPTED = 130
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
+def add_override_option(parser: argparse.ArgumentParser, example: str) -> None:
+    """``--set KEY=VALUE`` (repeatable), collected in ``overrides``."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config key, e.g. --set {example} (repeatable)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lossguard-agent", description="Train a GPT under lossguard, or benchmark it."
@@ -25,14 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("config", help="YAML config file")
-        p.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config key, e.g. --set train.lr=3e-4 (repeatable)",
-        )
+        add_override_option(p, "train.lr=3e-4")
 
     run = sub.add_parser("run", help="train from a config")
     add_config_args(run)

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from lossguard.agent.cli import add_override_option
 from lossguard.agent.config import ConfigError
 from lossguard.agent.progress import setup_logging
 from lossguard.monitor.rules import RuleError, load_rule_file
@@ -24,14 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the monitor daemon")
     run.add_argument("--config", required=True, help="monitor.yml")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set listen.port=0 (repeatable)",
-    )
+    add_override_option(run, "listen.port=0")
     rules = sub.add_parser("rules", help="check or unit-test Prometheus rule files")
     rules_sub = rules.add_subparsers(dest="rules_command", required=True)
     check = rules_sub.add_parser("check", help="validate rule files (like promtool check rules)")

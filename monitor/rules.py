@@ -25,14 +25,7 @@ from lossguard.monitor.promql import (
     parse,
 )
 from lossguard.monitor.promql.literals import parse_duration
-from lossguard.monitor.promql.nodes import (
-    Aggregation,
-    Binary,
-    Call,
-    MatrixSelector,
-    Unary,
-    VectorSelector,
-)
+from lossguard.monitor.promql.nodes import MatrixSelector, VectorSelector, walk
 from lossguard.monitor.templating import TemplateError, check_template
 
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -137,41 +130,28 @@ def reach_s(rule: AlertingRule) -> float:
 
 def metric_names(groups: Iterable[RuleGroup]) -> frozenset[str] | None:
     """The metric names the rules select, or None when a selector matches names by regex."""
-    names: set[str] = set()
-    for group in groups:
-        for rule in group.rules:
-            for selector in _selectors(rule.query) if rule.query is not None else ():
-                if selector.name is None:
-                    return None
-                names.add(selector.name)
-    return frozenset(names)
+    selectors = [
+        node
+        for group in groups
+        for rule in group.rules
+        if rule.query is not None
+        for node in walk(rule.query)
+        if isinstance(node, VectorSelector)
+    ]
+    if any(s.name is None for s in selectors):
+        return None
+    return frozenset(s.name for s in selectors if s.name is not None)
 
 
-def _reach_ms(node: Expr) -> int:
-    if isinstance(node, MatrixSelector):
-        return node.range_ms + max(node.selector.offset_ms, 0)
-    if isinstance(node, VectorSelector):
-        return max(node.offset_ms, 0)
-    return max((_reach_ms(child) for child in _children(node)), default=0)
-
-
-def _selectors(node: Expr) -> Iterable[VectorSelector]:
-    if isinstance(node, VectorSelector):
-        yield node
-    elif isinstance(node, MatrixSelector):
-        yield node.selector
-    for child in _children(node):
-        yield from _selectors(child)
-
-
-def _children(node: Expr) -> tuple[Expr, ...]:
-    if isinstance(node, Call):
-        return node.args
-    if isinstance(node, Aggregation | Unary):
-        return (node.expr,)
-    if isinstance(node, Binary):
-        return (node.lhs, node.rhs)
-    return ()
+def _reach_ms(query: Expr) -> int:
+    """The longest range plus offset (or offset alone) of the selectors in ``query``."""
+    reach = 0
+    for node in walk(query):
+        if isinstance(node, MatrixSelector):
+            reach = max(reach, node.range_ms + max(node.selector.offset_ms, 0))
+        elif isinstance(node, VectorSelector):
+            reach = max(reach, node.offset_ms)
+    return reach
 
 
 def _group(node: yaml.Node, file: str, full_promql: bool) -> RuleGroup:

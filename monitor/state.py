@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lossguard.monitor.alerting import Alert, AlertState, Transition
+from lossguard.monitor.alerting import Alert, AlertState, Transition, TransitionKind
 
 SCHEMA_VERSION = 1
 _SCHEMA = """
@@ -54,18 +54,10 @@ class StateError(Exception):
 
 @dataclass(frozen=True)
 class AlertEvent:
-    """One recorded transition."""
+    """One recorded transition and its place in the log."""
 
     id: int
-    at: float
-    kind: str
-    rule: str
-    fingerprint: str
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    value: float
-    active_at: float
-    fired_at: float | None
+    transition: Transition
 
 
 def value_text(value: float) -> str:
@@ -106,20 +98,8 @@ class StateStore:
                 "SELECT rule, fingerprint, labels, annotations, state, value, active_at,"
                 " fired_at, keep_firing_since FROM alerts ORDER BY rule, fingerprint"
             ).fetchall()
-        for rule, fp, labels, notes, state, value, active_at, fired_at, keep in rows:
-            by_rule.setdefault(rule, []).append(
-                Alert(
-                    rule=rule,
-                    fingerprint=fp,
-                    labels=json.loads(labels),
-                    annotations=json.loads(notes),
-                    state=AlertState(state),
-                    value=float(value),
-                    active_at=active_at,
-                    fired_at=fired_at,
-                    keep_firing_since=keep,
-                )
-            )
+        for row in rows:
+            by_rule.setdefault(row[0], []).append(_alert(*row))
         return by_rule
 
     def record(
@@ -209,15 +189,31 @@ def _event_row(transition: Transition) -> tuple[Any, ...]:
 
 def _event(row: tuple[Any, ...]) -> AlertEvent:
     id_, at, kind, rule, fp, labels, annotations, value, active_at, fired_at = row
-    return AlertEvent(
-        id=id_,
-        at=at,
-        kind=kind,
+    state = AlertState.FIRING if fired_at is not None else AlertState.PENDING
+    alert = _alert(rule, fp, labels, annotations, state.value, value, active_at, fired_at, None)
+    return AlertEvent(id_, Transition(TransitionKind(kind), at, alert))
+
+
+def _alert(
+    rule: str,
+    fingerprint: str,
+    labels: str,
+    annotations: str,
+    state: str,
+    value: str,
+    active_at: float,
+    fired_at: float | None,
+    keep_firing_since: float | None,
+) -> Alert:
+    """An alert from its stored columns (labels and annotations as JSON, value as text)."""
+    return Alert(
         rule=rule,
-        fingerprint=fp,
+        fingerprint=fingerprint,
         labels=json.loads(labels),
         annotations=json.loads(annotations),
+        state=AlertState(state),
         value=float(value),
         active_at=active_at,
         fired_at=fired_at,
+        keep_firing_since=keep_firing_since,
     )

@@ -168,7 +168,7 @@ def test_state_store_round_trip_and_one_transaction_per_evaluation(tmp_path: Pat
     ruleset = RuleSet(groups())
     transitions = ruleset.evaluate(lambda rule, t: [sample(math.nan, run_id="r")], 0)
     store.record(ruleset.active(), transitions)
-    assert [e.kind for e in store.events()] == ["pending", "pending", "firing"]
+    assert [e.transition.kind.value for e in store.events()] == ["pending", "pending", "firing"]
     store.close()
 
     reopened = StateStore(tmp_path / "state" / "state.db")
@@ -280,5 +280,10 @@ def test_restarts_announce_ended_alerts_once_and_downtime_does_not_count_to_for(
         assert pending.active_at > 1000  # shifted by the downtime: its `for` starts over
         restarted.close()
     store = StateStore(tmp_path / "state.db")
-    assert [e.kind for e in store.events()] == ["pending", "firing", "pending", "resolved"]
+    assert [e.transition.kind.value for e in store.events()] == [
+        "pending",
+        "firing",
+        "pending",
+        "resolved",
+    ]
     assert (tmp_path / "state.db").stat().st_mode & 0o777 == 0o600

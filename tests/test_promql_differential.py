@@ -32,7 +32,7 @@ from lossguard.monitor.promql import (
     parse,
     parse_series,
 )
-from lossguard.monitor.promql.nodes import Aggregation, Binary, Call, Expr, Unary
+from lossguard.monitor.promql.nodes import Aggregation, Binary, Call, walk
 from lossguard.monitor.promql.parser import PRECEDENCE
 from lossguard.monitor.promql.signatures import AGGREGATIONS, FUNCTIONS
 
@@ -255,19 +255,8 @@ def _expression_tests(storage: MemoryStorage) -> tuple[list[dict[str, Any]], set
     return tests, errors
 
 
-def _walk(node: Expr) -> list[Expr]:
-    children: list[Expr] = []
-    if isinstance(node, Binary):
-        children = [node.lhs, node.rhs]
-    elif isinstance(node, Unary | Aggregation):
-        children = [node.expr]
-    elif isinstance(node, Call):
-        children = list(node.args)
-    return [node, *(n for child in children for n in _walk(child))]
-
-
 def test_expressions_cover_the_subset() -> None:
-    nodes = [n for expr in EXPRESSIONS for n in _walk(parse(expr))]
+    nodes = [n for expr in EXPRESSIONS for n in walk(parse(expr))]
     functions = {n.name for n in nodes if isinstance(n, Call)}
     operators = {n.op for n in nodes if isinstance(n, Binary)}
     aggregations = {n.op for n in nodes if isinstance(n, Aggregation)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -102,3 +103,19 @@ class Binary:
 
 
 Expr = NumberLiteral | VectorSelector | MatrixSelector | Call | Aggregation | Unary | Binary
+
+
+def walk(node: Expr) -> Iterator[Expr]:
+    """``node`` and every node under it, depth first (a range's selector included)."""
+    yield node
+    children: tuple[Expr, ...] = ()
+    if isinstance(node, Binary):
+        children = (node.lhs, node.rhs)
+    elif isinstance(node, Unary | Aggregation):
+        children = (node.expr,)
+    elif isinstance(node, Call):
+        children = node.args
+    elif isinstance(node, MatrixSelector):
+        children = (node.selector,)
+    for child in children:
+        yield from walk(child)
