@@ -30,7 +30,6 @@ from rich.console import Console
 from rich.table import Table
 
 from lossguard.agent.metrics import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS, AgentMetrics
-from lossguard.monitor.config import seconds
 from lossguard.monitor.daemon import RETENTION_MARGIN_S
 from lossguard.monitor.promql import Value
 from lossguard.monitor.rules import (
@@ -42,6 +41,7 @@ from lossguard.monitor.rules import (
 )
 from lossguard.monitor.ruleset import RuleSet, Schedule
 from lossguard.monitor.sources.scrape import ScrapeSource
+from lossguard.monitor.validation import seconds
 
 HOST = "127.0.0.1"
 LAYERS = ("blocks.0.attn.c_attn", "blocks.5.mlp.c_fc", "blocks.11.mlp.c_proj", "lm_head")

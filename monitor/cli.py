@@ -1,16 +1,24 @@
-"""``lossguard-monitor``: run the monitor daemon, or check and unit-test rule files."""
+"""``lossguard-monitor``: run the monitor daemon; check and unit-test rule files; manage
+silences; show the monitor's status."""
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import logging
 import sys
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from lossguard.agent.cli import add_override_option
 from lossguard.agent.config import ConfigError
 from lossguard.agent.progress import setup_logging
 from lossguard.monitor.rules import RuleError, load_rule_file
+from lossguard.monitor.state import StateError, StateStore
+
+if TYPE_CHECKING:
+    from lossguard.monitor.notify.silences import Silence
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -34,7 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
         "test", help="run promtool-format rule unit tests on the embedded evaluator"
     )
     test.add_argument("files", nargs="+", metavar="FILE")
+    _silence_parsers(sub)
+    status = sub.add_parser("status", help="targets, firing alerts, silences, outbox, dead letters")
+    status.add_argument("--config", required=True, help="monitor.yml")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
+
+
+def _silence_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    silence = sub.add_parser("silence", help="add, list or expire silences (like amtool)")
+    silence_sub = silence.add_subparsers(dest="silence_command", required=True)
+    add = silence_sub.add_parser("add", help="silence the alerts that match every matcher")
+    add.add_argument("matchers", nargs="+", metavar="MATCHER", help='e.g. run_id="abc" or a=b')
+    add.add_argument("--duration", default="1h", help="how long (default 1h)")
+    add.add_argument("--start", type=float, default=None, help="Unix time to start (default now)")
+    add.add_argument("--author", default=None, help="default: your user name")
+    add.add_argument("--comment", required=True, help="why (shown to everyone)")
+    listing = silence_sub.add_parser("list", help="active and pending silences")
+    listing.add_argument("--expired", action="store_true", help="also the expired ones")
+    expire = silence_sub.add_parser("expire", help="end silences now")
+    expire.add_argument("ids", nargs="+", metavar="ID")
+    for parser in (add, listing, expire):
+        parser.add_argument("--config", required=True, help="monitor.yml")
 
 
 def check_rules(files: Sequence[str]) -> int:
@@ -57,7 +86,6 @@ def check_rules(files: Sequence[str]) -> int:
 def _run(config_path: str, overrides: Sequence[str]) -> int:
     from lossguard.monitor.config import load_monitor_config
     from lossguard.monitor.daemon import Monitor
-    from lossguard.monitor.state import StateError
 
     config = load_monitor_config(config_path, list(overrides))
     logging.getLogger("lossguard").setLevel(config.log_level.upper())
@@ -72,12 +100,90 @@ def _run(config_path: str, overrides: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _state(config_path: str) -> StateStore:
+    from lossguard.monitor.config import load_monitor_config
+
+    path = load_monitor_config(config_path).state.path
+    try:
+        return StateStore(path)
+    except StateError as exc:
+        raise ConfigError(f"state.path: {exc}") from None
+
+
+def silence(args: argparse.Namespace) -> int:
+    """``silence add|list|expire``: amtool's output (an id; a table; nothing)."""
+    from lossguard.monitor.notify.silences import SilenceError, SilenceStore
+    from lossguard.monitor.validation import seconds
+
+    now = time.time()
+    store = SilenceStore(_state(args.config))
+    try:
+        if args.silence_command == "add":
+            start = now if args.start is None else args.start
+            try:
+                length = seconds(args.duration)
+            except ValueError as exc:
+                raise SilenceError(f"--duration: {exc}") from None
+            author = args.author or getpass.getuser()
+            added = store.add(args.matchers, start, start + length, author, args.comment, now)
+            print(added.id)
+        elif args.silence_command == "list":
+            _print_silences([s for s in store.all() if args.expired or s.state(now) != "expired"])
+        else:
+            for silence_id in args.ids:
+                store.expire(silence_id, now)
+    except (SilenceError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    finally:
+        store.state.close()
+    return EXIT_OK
+
+
+def _print_silences(silences: Sequence[Silence]) -> None:
+    rows = [("ID", "MATCHERS", "STARTS AT", "ENDS AT", "CREATED BY", "COMMENT")]
+    for s in silences:
+        rows.append(
+            (
+                s.id,
+                " ".join(str(m) for m in s.matchers),
+                _time(s.starts_at),
+                _time(s.ends_at),
+                s.created_by,
+                s.comment,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+
+
+def _time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
+
+
+def status(config_path: str, as_json: bool) -> int:
+    """``status``: exit 0 when the daemon answered, 1 when it did not."""
+    from lossguard.monitor.status import collect, render, to_json
+
+    state = _state(config_path)
+    try:
+        report = collect(state)
+    finally:
+        state.close()
+    print(to_json(report) if as_json else render(report))
+    return EXIT_OK if report["monitor"]["reachable"] else EXIT_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     try:
         if args.command == "run":
             return _run(args.config, args.overrides)
+        if args.command == "silence":
+            return silence(args)
+        if args.command == "status":
+            return status(args.config, args.json)
         if args.rules_command == "check":
             return check_rules(args.files)
         from lossguard.monitor.ruletest import run_test_files

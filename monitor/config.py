@@ -17,24 +17,10 @@ from lossguard.agent.config import (
     field_error,
     read_config_file,
 )
-from lossguard.monitor.promql.literals import parse_duration
-from lossguard.monitor.sources.discovery import instance_of
+from lossguard.monitor.notify.config import NotificationsConfig
+from lossguard.monitor.validation import http_url, seconds
 
 DEFAULT_PORT = 9411
-
-
-def seconds(text: str) -> float:
-    """A Prometheus duration in seconds (raises ValueError with the reason)."""
-    try:
-        return parse_duration(text) / 1000
-    except ValueError:
-        raise ValueError(f"not a valid duration: {text!r} (e.g. 1s, 30s, 5m, 1h30m)") from None
-
-
-def http_url(url: str) -> str:
-    """``url`` if it is an http(s) URL with a host and a valid port (raises ValueError)."""
-    instance_of(url)
-    return url
 
 
 class _Durations(Section):
@@ -109,6 +95,7 @@ class MonitorConfig(Section):
     state: StateConfig = Field(default_factory=StateConfig)
     listen: ListenConfig = Field(default_factory=ListenConfig)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    notifications: NotificationsConfig = Field(default_factory=NotificationsConfig)
 
     @model_validator(mode="after")
     def _source_is_configured(self) -> MonitorConfig:
@@ -128,9 +115,23 @@ def load_monitor_config(
         config = MonitorConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+    _check_notifications(config.notifications)
     base = Path(path).resolve().parent
     config.rules.files = [base / f for f in config.rules.files]
     config.state.path = base / config.state.path
     if config.scrape.runs_root is not None:
         config.scrape.runs_root = base / config.scrape.runs_root
     return config
+
+
+def _check_notifications(config: NotificationsConfig) -> None:
+    """What the section's own validators cannot see: the routing tree and the inhibition
+    rules as built (ConfigError naming the key)."""
+    from lossguard.monitor.notify.inhibit import Inhibitor
+    from lossguard.monitor.notify.routing import build_route
+
+    try:
+        build_route(config.route)
+        Inhibitor(config.inhibit_rules)
+    except ConfigError as exc:
+        raise ConfigError(f"notifications.{exc}") from None

@@ -3,6 +3,7 @@ alerts in the state database, serves its own metrics; reloads rules on SIGHUP.""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sqlite3
@@ -12,8 +13,13 @@ from types import FrameType
 from typing import Any
 
 from lossguard.monitor.alerting import AlertState, Transition, TransitionKind
-from lossguard.monitor.config import MonitorConfig, seconds
+from lossguard.monitor.config import MonitorConfig
 from lossguard.monitor.metrics import MonitorMetrics, MonitorServer
+from lossguard.monitor.notify.config import read_secrets
+from lossguard.monitor.notify.delivery import Backoff, Deliverer
+from lossguard.monitor.notify.dispatcher import Dispatcher
+from lossguard.monitor.notify.facts import FACT_METRICS, RunFacts
+from lossguard.monitor.notify.integrations import build_integrations
 from lossguard.monitor.promql import Value
 from lossguard.monitor.rules import (
     AlertingRule,
@@ -28,6 +34,7 @@ from lossguard.monitor.sources import Source
 from lossguard.monitor.sources.prometheus import PrometheusSource
 from lossguard.monitor.sources.scrape import ScrapeSource
 from lossguard.monitor.state import StateStore
+from lossguard.monitor.validation import seconds
 
 log = logging.getLogger("lossguard.monitor")
 RETENTION_MARGIN_S = 60.0
@@ -40,6 +47,7 @@ class Monitor:
         self.config = config
         self.interval_s = seconds(config.rules.evaluation_interval)
         groups = self._load_rules()  # RuleError: the caller exits 2
+        secrets = read_secrets(config.notifications)  # ConfigError: the caller exits 2
         self.store = StateStore(config.state.path)
         self.metrics = MonitorMetrics()
         self._unrecorded: list[Transition] = []
@@ -59,6 +67,25 @@ class Monitor:
         )
         self._record(ended, set(stored) | set(self.ruleset.active()))
         self.source = self._make_source(groups)
+        integrations = build_integrations(
+            config.notifications, secrets, external_url=config.rules.external_url
+        )
+        self.dispatcher = Dispatcher(
+            self.store,
+            config.notifications,
+            integrations,
+            facts=RunFacts(self.source),
+            external_url=config.rules.external_url,
+        )
+        delivery = config.notifications.delivery
+        self.deliverer = Deliverer(
+            self.dispatcher.store,
+            integrations,
+            timeout_s=seconds(delivery.timeout),
+            backoff=Backoff(seconds(delivery.min_backoff), seconds(delivery.max_backoff)),
+            observe=self.metrics.notified,
+        )
+        self.metrics.watch_outbox(self.dispatcher.store)
         self._loaded(groups)
         self._stop = threading.Event()
         self._reload = threading.Event()
@@ -66,7 +93,11 @@ class Monitor:
         self._last_cycle: float | None = None
         self.schedule = Schedule(self.interval_s)
         self.server = MonitorServer(
-            self.metrics.registry, self._health, config.listen.host, config.listen.port
+            self.metrics.registry,
+            self._health,
+            self._status,
+            config.listen.host,
+            config.listen.port,
         )
 
     def _make_source(self, groups: list[RuleGroup]) -> Source:
@@ -83,7 +114,7 @@ class Monitor:
             timeout_s=seconds(scrape.timeout) if scrape.timeout else None,
             job=scrape.job,
             retention_s=longest_range_s(groups) + RETENTION_MARGIN_S,
-            keep_names=metric_names(groups),
+            keep_names=_kept_names(groups),
         )
 
     # ------------------------------------------------------------------ the loop
@@ -91,6 +122,8 @@ class Monitor:
     def run(self) -> None:
         """Evaluate until stopped (SIGTERM/SIGINT, or :meth:`stop`)."""
         self.source.start()
+        self.deliverer.start()
+        self.store.set_meta("listen_url", self.server.url)
         log.info(
             "monitor serving %s/metrics; %d rules from %s; state %s",
             self.server.url,
@@ -111,7 +144,11 @@ class Monitor:
                     except Exception:  # the daemon outlives any one cycle
                         log.exception("evaluation cycle failed")
                         self.schedule.done(self.ruleset.groups, due, now)
-                self._wake.wait(max(0.0, self.schedule.wake_time(now) - time.time()))
+                self.notify(time.time())
+                wake_at = min(
+                    self.schedule.wake_time(now), self.dispatcher.next_flush() or now + 60
+                )
+                self._wake.wait(max(0.0, wake_at - time.time()))
                 self._wake.clear()
         finally:
             self.close()
@@ -140,6 +177,27 @@ class Monitor:
         self.metrics.update_targets(self.source.targets())
         self._last_cycle = t
         return transitions
+
+    def notify(self, now: float) -> list[int]:
+        """Queue what the recorded transitions and due alert groups call for; wake delivery.
+        A failed step is retried at the next call: nothing it consumed was committed."""
+        firing = [
+            alert.labels
+            for alerts in self.ruleset.active().values()
+            for alert in alerts
+            if alert.state is AlertState.FIRING
+        ]
+        try:
+            queued = self.dispatcher.step(now, firing)
+        except sqlite3.Error as exc:
+            log.error("state database: %s; notifications wait for the next cycle", exc)
+            return []
+        except Exception:  # the daemon outlives any one cycle
+            log.exception("notification cycle failed")
+            return []
+        if queued:
+            self.deliverer.wake()
+        return queued
 
     def _query(self, rule: AlertingRule, t: float) -> Value:
         return self.source.query(rule.expr, t)
@@ -207,7 +265,7 @@ class Monitor:
         self._record(ended, previous | {e.key for e in self.ruleset.rules})
         if isinstance(self.source, ScrapeSource):
             self.source.retention_s = longest_range_s(groups) + RETENTION_MARGIN_S
-            self.source.keep_names = metric_names(groups)
+            self.source.keep_names = _kept_names(groups)
         self.schedule.reset()
         self._loaded(groups)
         log.info("rules reloaded: %d rules", len(self.ruleset.rules))
@@ -251,7 +309,23 @@ class Monitor:
             "targets_up": sum(1 for t in targets if t.up),
         }
 
+    def _status(self) -> dict[str, Any]:
+        """What only the running daemon knows: its targets and its last evaluation."""
+        return {
+            "last_evaluation": self._last_cycle,
+            "rules": len(self.ruleset.rules),
+            "targets": [dataclasses.asdict(t) for t in self.source.targets()],
+        }
+
     def close(self) -> None:
+        self.deliverer.stop()
         self.source.close()
         self.server.close()
         self.store.close()
+
+
+def _kept_names(groups: list[RuleGroup]) -> frozenset[str] | None:
+    """The metric names a scrape keeps: those the rules and the notifications read (None:
+    all, when a rule selects names by regex)."""
+    names = metric_names(groups)
+    return None if names is None else names | FACT_METRICS

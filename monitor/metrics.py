@@ -21,12 +21,15 @@ from prometheus_client import (
 
 from lossguard.agent.config import ConfigError
 from lossguard.monitor.alerting import RuleAlerts
+from lossguard.monitor.notify.model import Notification
+from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore
 from lossguard.monitor.sources import TargetStatus
 
 EVAL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 ALERT_STATES = ("pending", "firing")
 
 Health = Callable[[], tuple[bool, dict[str, object]]]
+Status = Callable[[], dict[str, object]]
 
 
 class MonitorMetrics:
@@ -76,6 +79,20 @@ class MonitorMetrics:
             "Wall time of the last successful rules (re)load.",
             registry=r,
         )
+        self.notifications = Counter(
+            "lossguard_monitor_notifications",
+            "Delivery attempts by result: delivered, retry (failed, will be retried), dead.",
+            ["receiver", "integration", "result"],
+            registry=r,
+        )
+        self.outbox_pending = Gauge(
+            "lossguard_monitor_outbox_pending", "Notifications waiting for delivery.", registry=r
+        )
+        self.dead_letters = Gauge(
+            "lossguard_monitor_outbox_dead_letters",
+            "Notifications that failed for good (lossguard-monitor status lists them).",
+            registry=r,
+        )
         ProcessCollector(registry=r)
         self._seen_alerts: set[tuple[str, str]] = set()
         self._seen_targets: set[str] = set()
@@ -94,6 +111,14 @@ class MonitorMetrics:
             self.alerts.labels(name, state).set(count)
         self._seen_alerts = set(counts)
 
+    def notified(self, notification: Notification, result: str) -> None:
+        self.notifications.labels(notification.receiver, notification.integration, result).inc()
+
+    def watch_outbox(self, store: NotifyStore) -> None:
+        """Read the outbox counts from the state database at each scrape."""
+        self.outbox_pending.set_function(lambda: store.counts()[PENDING])
+        self.dead_letters.set_function(lambda: store.counts()[DEAD])
+
     def update_targets(self, targets: Iterable[TargetStatus]) -> None:
         """Set ``target_up{target}``; a target no longer watched loses its series."""
         current = {t.url: t for t in targets if t.up is not None}
@@ -105,10 +130,13 @@ class MonitorMetrics:
 
 
 class MonitorServer:
-    """``/metrics`` and ``/healthz`` on a daemon thread."""
+    """``/metrics``, ``/healthz`` and ``/api/status`` (what ``lossguard-monitor status`` shows of
+    the running daemon) on a daemon thread."""
 
-    def __init__(self, registry: CollectorRegistry, health: Health, host: str, port: int) -> None:
-        handler = _handler(registry, health)
+    def __init__(
+        self, registry: CollectorRegistry, health: Health, status: Status, host: str, port: int
+    ) -> None:
+        handler = _handler(registry, health, status)
         try:
             self._server = ThreadingHTTPServer((host, port), handler)
         except OSError as exc:
@@ -132,7 +160,9 @@ class MonitorServer:
         self._server.server_close()
 
 
-def _handler(registry: CollectorRegistry, health: Health) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    registry: CollectorRegistry, health: Health, status: Status
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
@@ -142,6 +172,9 @@ def _handler(registry: CollectorRegistry, health: Health) -> type[BaseHTTPReques
                 healthy, detail = health()
                 body = json.dumps({"healthy": healthy, **detail}).encode() + b"\n"
                 self._reply(200 if healthy else 503, "application/json", body)
+            elif path == "/api/status":
+                body = json.dumps(status()).encode() + b"\n"
+                self._reply(200, "application/json", body)
             else:
                 self._reply(404, "text/plain", b"not found: try /metrics or /healthz\n")
 

@@ -11,7 +11,8 @@ import json
 import math
 import sqlite3
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,37 +112,55 @@ class StateStore:
     ) -> None:
         """Replace the active alerts of the rules in ``alerts``, append ``transitions`` and note
         the evaluation time, in one transaction."""
+        with self.transaction() as db:
+            for rule, current in alerts.items():
+                db.execute("DELETE FROM alerts WHERE rule = ?", (rule,))
+                db.executemany(
+                    "INSERT INTO alerts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [_alert_row(a) for a in current],
+                )
+            db.executemany(
+                "INSERT INTO alert_events (at, kind, rule, fingerprint, labels, annotations,"
+                " value, active_at, fired_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [_event_row(t) for t in transitions],
+            )
+            if evaluated_at is not None:
+                db.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('last_evaluation', ?)",
+                    (repr(evaluated_at),),
+                )
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """The connection inside one write transaction: all of it commits, or none of it."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                for rule, current in alerts.items():
-                    self._db.execute("DELETE FROM alerts WHERE rule = ?", (rule,))
-                    self._db.executemany(
-                        "INSERT INTO alerts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        [_alert_row(a) for a in current],
-                    )
-                self._db.executemany(
-                    "INSERT INTO alert_events (at, kind, rule, fingerprint, labels, annotations,"
-                    " value, active_at, fired_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [_event_row(t) for t in transitions],
-                )
-                if evaluated_at is not None:
-                    self._db.execute(
-                        "INSERT OR REPLACE INTO meta VALUES ('last_evaluation', ?)",
-                        (repr(evaluated_at),),
-                    )
-                self._db.execute("COMMIT")
+                yield self._db
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            self._db.execute("COMMIT")
+
+    @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """The connection, for reads, while no other thread uses it."""
+        with self._lock:
+            yield self._db
 
     def last_evaluation(self) -> float | None:
         """When the last evaluation was recorded (None before any)."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT value FROM meta WHERE key = 'last_evaluation'"
-            ).fetchone()
-        return float(row[0]) if row else None
+        value = self.get_meta("last_evaluation")
+        return None if value is None else float(value)
+
+    def get_meta(self, key: str) -> str | None:
+        with self.reading() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     def events(self, after_id: int = 0, limit: int = 1000) -> list[AlertEvent]:
         """Recorded transitions with ids above ``after_id``, oldest first."""

@@ -599,7 +599,7 @@ def _format_one(flags: str, width: str, precision: str | None, verb: str, arg: G
         if verb == "c":
             return _pad(flags, width, chr(arg))
         if verb == "q":
-            return _pad(flags, width, "'" + _quote(chr(arg))[1:-1] + "'")
+            return _pad(flags, width, "'" + go_quote(chr(arg))[1:-1] + "'")
     elif isinstance(arg, float):
         if verb in "vfFeEgG":
             special = _special_float(arg)
@@ -617,7 +617,7 @@ def _format_one(flags: str, width: str, precision: str | None, verb: str, arg: G
         if verb in "vs":
             return _pad(flags, width, arg if precision is None else arg[: int(precision or 0)])
         if verb == "q":
-            return _pad(flags, width, _quote(arg))
+            return _pad(flags, width, go_quote(arg))
         if verb in "xX":
             text = arg.encode().hex()
             return _pad(flags, width, text.upper() if verb == "X" else text)
@@ -640,7 +640,7 @@ def _pad(flags: str, width: str, text: str, numeric: bool = False) -> str:
     return text.rjust(size)
 
 
-def _quote(text: str) -> str:
+def go_quote(text: str) -> str:
     """Go's ``strconv.Quote``."""
     out = ['"']
     for char in text:

@@ -3,16 +3,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# promtool (Debian's prometheus package) checks the exposition and, later, the alert rules.
-if ! command -v promtool >/dev/null 2>&1; then
+# Debian packages the tests run for real: promtool and prometheus (rules, exposition, the live
+# comparison), amtool and alertmanager (routing and webhook payloads compared with ours).
+missing=()
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v amtool >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "scripts/test.sh: promtool is missing: sudo apt-get install prometheus" >&2
+    echo "scripts/test.sh: missing Debian packages: sudo apt-get install ${missing[*]}" >&2
     exit 1
   fi
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-.venv/bin/python -m pytest "$@"
+# two workers: most tests wait on real processes and servers, so two overlap well on 2 cores
+.venv/bin/python -m pytest -n 2 "$@"

@@ -163,9 +163,10 @@ def write_monitor_config(path: Path, rules: list[Path], **sections: Any) -> tupl
     return path, f"http://127.0.0.1:{port}"
 
 
-def start_monitor(config: Path, *args: str) -> subprocess.Popen:
-    """Start ``lossguard-monitor run --config CONFIG ARGS`` (stderr captured to a file beside
-    the config, so a long run never blocks on a full pipe)."""
+def start_monitor(config: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``lossguard-monitor run --config CONFIG ARGS`` with ``env`` added to the
+    environment (stderr captured to a file beside the config, so a long run never blocks on a
+    full pipe)."""
     log = open(config.with_suffix(".log"), "a")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(
         [sys.executable, "-m", "lossguard.monitor.cli", "run", "--config", str(config), *args],
@@ -173,6 +174,7 @@ def start_monitor(config: Path, *args: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         cwd=REPO,
+        env={**os.environ, **(env or {})},
     )
 
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import requests
@@ -114,21 +114,40 @@ def prometheus(
             stderr=subprocess.STDOUT,
         )
     server = PromServer(process, port, directory)
-    try:
-        wait_for(lambda: _ready(server), ready_timeout, f"Prometheus ready on port {port}")
+    with running(server, "Prometheus", ready_timeout):
         yield server
+
+
+class Server(Protocol):
+    """A server binary under test: its process, URL and log."""
+
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def log(self) -> str: ...
+
+
+@contextmanager
+def running(server: Server, name: str, ready_timeout: float) -> Iterator[None]:
+    """Wait until ``server`` answers ``/-/ready`` (failing with its log if it exits), then
+    stop it on exit: SIGTERM, SIGKILL after 20 s."""
+    try:
+        wait_for(lambda: _ready(server, name), ready_timeout, f"{name} ready at {server.url}")
+        yield
     finally:
-        process.terminate()
+        server.process.terminate()
         try:
-            process.wait(timeout=20)
+            server.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            server.process.kill()
+            server.process.wait()
 
 
-def _ready(server: PromServer) -> bool:
+def _ready(server: Server, name: str) -> bool:
     if server.process.poll() is not None:
-        raise AssertionError(f"Prometheus exited with {server.process.returncode}: {server.log}")
+        raise AssertionError(f"{name} exited with {server.process.returncode}: {server.log}")
     try:
         return requests.get(f"{server.url}/-/ready", timeout=1).status_code == 200
     except requests.ConnectionError:

@@ -1,0 +1,53 @@
+"""What a notification says about the run beyond the alert's own labels: the run's last step and
+what has been done about it so far, read from the same source the rules read."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+
+from lossguard.monitor.notify.model import RUN_LABEL
+from lossguard.monitor.promql import PromQLError
+from lossguard.monitor.sources import Source, SourceError
+from lossguard.monitor.templating import go_quote
+
+log = logging.getLogger("lossguard.monitor.notify")
+STEP = "lossguard_step"
+ACTIONS = {  # counter -> how a notification says it
+    "lossguard_rollbacks_total": ("rolled back {n} time", "rolled back {n} times"),
+    "lossguard_skipped_steps_total": ("skipped {n} step", "skipped {n} steps"),
+}
+FACT_METRICS = frozenset({STEP, *ACTIONS})
+
+
+class RunFacts:
+    """Looks up a run's step and actions at a time; nothing when the alert names no run."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+
+    def of(self, labels: Mapping[str, str], t: float) -> tuple[int | None, tuple[str, ...]]:
+        run_id = labels.get(RUN_LABEL)
+        if not run_id:
+            return None, ()
+        selector = f"{{run_id={go_quote(run_id)}}}"
+        step = self._max(f"{STEP}{selector}", t)
+        actions = []
+        for metric, (one, many) in ACTIONS.items():
+            n = self._max(f"{metric}{selector}", t)
+            if n:
+                actions.append((one if n == 1 else many).format(n=n))
+        return step, tuple(actions)
+
+    def _max(self, expr: str, t: float) -> int | None:
+        """The largest value over the run's ranks, as an integer (None when absent)."""
+        try:
+            result = self.source.query(expr, t)
+        except (PromQLError, SourceError) as exc:
+            log.debug("run facts: %s: %s", expr, exc)
+            return None
+        if not isinstance(result, list):
+            return None
+        values = [s.value for s in result if math.isfinite(s.value)]
+        return int(max(values)) if values else None

@@ -1,0 +1,153 @@
+"""The real Alertmanager for differential tests (Debian's prometheus-alertmanager 0.25, which CI
+installs): ``amtool`` runs, and the server on 127.0.0.1 with a webhook sink that records what it
+is sent."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import requests
+import yaml
+
+from .conftest import free_port
+from .promserver import running
+
+
+def binary(name: str) -> str:
+    """An Alertmanager binary (``amtool`` or ``prometheus-alertmanager``); missing fails."""
+    path = shutil.which(name)
+    assert path is not None, f"{name} is not installed: apt-get install prometheus-alertmanager"
+    return path
+
+
+def amtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [binary("amtool"), *args], capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def write_config(path: Path, config: Mapping[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(dict(config), sort_keys=False, allow_unicode=True))
+    return path
+
+
+@dataclass
+class AlertmanagerServer:
+    process: subprocess.Popen[bytes]
+    port: int
+    directory: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return (self.directory / "alertmanager.log").read_text(errors="replace")
+
+    def post_alerts(self, alerts: Sequence[Mapping[str, Any]]) -> None:
+        """``POST /api/v2/alerts`` with these postable alerts, in this order, in one request."""
+        reply = requests.post(f"{self.url}/api/v2/alerts", json=list(alerts), timeout=10)
+        assert reply.status_code == 200, reply.text
+
+    def post_firing(self, label_sets: Sequence[Mapping[str, str]]) -> None:
+        """Firing alerts with these labels (Alertmanager sets their times)."""
+        self.post_alerts([{"labels": dict(labels)} for labels in label_sets])
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """``GET /api/v2/alerts`` (Alertmanager works out inhibition anew for each request)."""
+        reply = requests.get(f"{self.url}/api/v2/alerts", timeout=10)
+        assert reply.status_code == 200, reply.text
+        alerts: list[dict[str, Any]] = reply.json()
+        return alerts
+
+
+@contextmanager
+def alertmanager(directory: Path, config: Mapping[str, Any]) -> Iterator[AlertmanagerServer]:
+    """Run Alertmanager with ``config`` on a free port of 127.0.0.1 (also its external URL),
+    without clustering; its files live in ``directory``. Stopped on exit."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config_path = write_config(directory / "alertmanager.yml", config)
+    port = free_port()
+    with open(directory / "alertmanager.log", "wb") as log:
+        process = subprocess.Popen(
+            [
+                binary("prometheus-alertmanager"),
+                f"--config.file={config_path}",
+                f"--storage.path={directory / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                f"--web.external-url=http://127.0.0.1:{port}",
+                "--cluster.listen-address=",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    server = AlertmanagerServer(process, port, directory)
+    with running(server, "Alertmanager", 20):
+        yield server
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # Alertmanager sends many groups at once; 5 would drop connections
+
+
+class WebhookSink:
+    """An HTTP server on 127.0.0.1 that keeps the JSON body of every POST and answers 200."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._server = _Server(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/"
+
+    def received(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.messages)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with sink._lock:
+                    sink.messages.append(json.loads(body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                """Quiet: the tests assert on what matters."""
+
+        return Handler
+
+
+@contextmanager
+def webhook_sink() -> Iterator[WebhookSink]:
+    sink = WebhookSink()
+    try:
+        yield sink
+    finally:
+        sink.close()
