@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import getpass
 import logging
+import math
+import sqlite3
 import sys
 import time
 from collections.abc import Sequence
@@ -43,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     test.add_argument("files", nargs="+", metavar="FILE")
     _silence_parsers(sub)
+    outbox = sub.add_parser("outbox", help="send dead letters again, or drop them")
+    outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
+    for name, what in (
+        ("retry", "deliver again (e.g. after fixing the webhook)"),
+        ("drop", "forget"),
+    ):
+        action = outbox_sub.add_parser(name, help=f"dead letters: {what}")
+        action.add_argument("ids", nargs="+", type=int, metavar="ID", help="as status shows: #ID")
+        action.add_argument("--config", required=True, help="monitor.yml")
     status = sub.add_parser("status", help="targets, firing alerts, silences, outbox, dead letters")
     status.add_argument("--config", required=True, help="monitor.yml")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -55,7 +66,7 @@ def _silence_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add = silence_sub.add_parser("add", help="silence the alerts that match every matcher")
     add.add_argument("matchers", nargs="+", metavar="MATCHER", help='e.g. run_id="abc" or a=b')
     add.add_argument("--duration", default="1h", help="how long (default 1h)")
-    add.add_argument("--start", type=float, default=None, help="Unix time to start (default now)")
+    add.add_argument("--start", type=_unix_time, default=None, help="Unix time (default now)")
     add.add_argument("--author", default=None, help="default: your user name")
     add.add_argument("--comment", required=True, help="why (shown to everyone)")
     listing = silence_sub.add_parser("list", help="active and pending silences")
@@ -64,6 +75,16 @@ def _silence_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     expire.add_argument("ids", nargs="+", metavar="ID")
     for parser in (add, listing, expire):
         parser.add_argument("--config", required=True, help="monitor.yml")
+
+
+def _unix_time(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"not a Unix time in seconds: {text!r}")
+    return value
 
 
 def check_rules(files: Sequence[str]) -> int:
@@ -100,10 +121,13 @@ def _run(config_path: str, overrides: Sequence[str]) -> int:
     return EXIT_OK
 
 
-def _state(config_path: str) -> StateStore:
+def _state(config_path: str, create: bool = False) -> StateStore:
+    """The state database of ``config_path``'s monitor; only ``create`` makes a new one."""
     from lossguard.monitor.config import load_monitor_config
 
     path = load_monitor_config(config_path).state.path
+    if not create and not path.exists():
+        raise ConfigError(f"state.path: no state database at {path}; has the monitor run?")
     try:
         return StateStore(path)
     except StateError as exc:
@@ -116,7 +140,7 @@ def silence(args: argparse.Namespace) -> int:
     from lossguard.monitor.validation import seconds
 
     now = time.time()
-    store = SilenceStore(_state(args.config))
+    store = SilenceStore(_state(args.config, create=args.silence_command == "add"))
     try:
         if args.silence_command == "add":
             start = now if args.start is None else args.start
@@ -136,6 +160,28 @@ def silence(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     finally:
         store.state.close()
+    return EXIT_OK
+
+
+def outbox(args: argparse.Namespace) -> int:
+    """``outbox retry|drop ID...``: every id must be a dead letter (else exit 2, naming it)."""
+    from lossguard.monitor.notify.store import NotifyStore
+
+    state = _state(args.config)
+    try:
+        store = NotifyStore(state)
+        if args.outbox_command == "retry":
+            moved = store.requeue(args.ids, time.time())
+            for old, new in moved.items():
+                print(f"#{old} queued again as #{new}")
+            done = list(moved)
+        else:
+            done = store.drop(args.ids)
+    finally:
+        state.close()
+    missing = [i for i in args.ids if i not in done]
+    if missing:
+        raise ConfigError(f"not a dead letter: #{missing[0]} (see lossguard-monitor status)")
     return EXIT_OK
 
 
@@ -182,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args.config, args.overrides)
         if args.command == "silence":
             return silence(args)
+        if args.command == "outbox":
+            return outbox(args)
         if args.command == "status":
             return status(args.config, args.json)
         if args.rules_command == "check":
@@ -191,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_test_files(args.files)
     except ConfigError as exc:
         print(f"lossguard-monitor: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except sqlite3.Error as exc:
+        print(f"lossguard-monitor: error: state database: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_OK

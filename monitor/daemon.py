@@ -178,9 +178,10 @@ class Monitor:
         self._last_cycle = t
         return transitions
 
-    def notify(self, now: float) -> list[int]:
+    def notify(self, now: float) -> list[int] | None:
         """Queue what the recorded transitions and due alert groups call for; wake delivery.
-        A failed step is retried at the next call: nothing it consumed was committed."""
+        None: the step failed, and is tried again with the next evaluation (nothing it
+        consumed was committed)."""
         firing = [
             alert.labels
             for alerts in self.ruleset.active().values()
@@ -191,13 +192,19 @@ class Monitor:
             queued = self.dispatcher.step(now, firing)
         except sqlite3.Error as exc:
             log.error("state database: %s; notifications wait for the next cycle", exc)
-            return []
+            return None
         except Exception:  # the daemon outlives any one cycle
             log.exception("notification cycle failed")
-            return []
+            return None
         if queued:
             self.deliverer.wake()
         return queued
+
+    def _next_flush(self) -> float | None:
+        try:
+            return self.dispatcher.next_flush()
+        except sqlite3.Error:
+            return None  # told by notify() already
 
     def _query(self, rule: AlertingRule, t: float) -> Value:
         return self.source.query(rule.expr, t)

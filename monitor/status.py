@@ -83,8 +83,8 @@ def render(report: dict[str, Any], now: float | None = None) -> str:
     if daemon["reachable"]:
         last = daemon.get("last_evaluation")
         ago = f"last evaluation {_ago(now, last)}" if last else "no evaluation yet"
-        lines.append(f"monitor  {daemon['url']}  running, {daemon['rules']} rules, {ago}")
-        targets = daemon["targets"]
+        lines.append(f"monitor  {daemon['url']}  running, {daemon.get('rules')} rules, {ago}")
+        targets = daemon.get("targets", [])
         lines.append(f"targets ({len(targets)})")
         for t in targets:
             up = {True: "UP", False: "DOWN", None: "NEW"}[t["up"]]

@@ -212,3 +212,33 @@ def test_backoff_doubles_with_jitter_up_to_its_ceiling() -> None:
         delays = [backoff.delay(attempt) for _ in range(50)]
         assert all(ceiling / 2 <= d < ceiling for d in delays)
         assert max(delays) - min(delays) > ceiling / 10  # jittered
+
+
+def test_a_receiver_that_echoes_its_secret_does_not_get_it_into_the_outbox(
+    store: NotifyStore, slack: FakeSlack, pager: FakePagerDuty
+) -> None:
+    slack.script([(404, f"no_service: {slack.webhook_url}")])
+    pager.script([(400, f'{{"errors": ["unknown routing_key {pager.routing_key}"]}}')])
+    ids = [queue(store, SLACK), queue(store, PAGER)]
+    lanes = integrations(slack, pager)
+    deliver_until(store, lanes, lambda: len(store.entries(DEAD)) == 2, "both dead")
+    errors = {e.id: str(e.last_error) for e in store.entries(DEAD)}
+    assert errors[ids[0]] == "HTTP 404 no_service: <secret>"
+    assert errors[ids[1]] == 'HTTP 400 {"errors": ["unknown routing_key <secret>"]}'
+
+
+def test_two_receivers_on_one_webhook_share_its_pace(
+    store: NotifyStore, slack: FakeSlack, pager: FakePagerDuty
+) -> None:
+    links = Links("", "", "")
+    lanes: dict[str, Integration] = {
+        lane: SlackIntegration(slack.webhook_url, True, links)
+        for lane in ("ops/slack[0]", "ml/slack[0]")
+    }
+    for lane in lanes:
+        for name in ("A", "B"):
+            queue(store, lane, alert=name)
+    deliver_until(store, lanes, lambda: PENDING not in states(store).values(), "delivered")
+    times = sorted(x.arrived_at for x in slack.exchanges)
+    assert len(times) == 4
+    assert min(b - a for a, b in itertools.pairwise(times)) >= 0.95

@@ -11,11 +11,11 @@ import pytest
 
 from lossguard.monitor.alerting import Alert, AlertState, Transition, TransitionKind, fingerprint
 from lossguard.monitor.notify.config import NotificationsConfig, read_secrets
-from lossguard.monitor.notify.dispatcher import Dispatcher
+from lossguard.monitor.notify.dispatcher import KEEP_S, PRUNE_EVERY_S, Dispatcher
 from lossguard.monitor.notify.integrations import build_integrations
 from lossguard.monitor.notify.model import Notification
 from lossguard.monitor.notify.silences import SilenceStore
-from lossguard.monitor.notify.store import PENDING, NotifyStore
+from lossguard.monitor.notify.store import DEAD, DELIVERED, PENDING, NotifyStore
 from lossguard.monitor.state import StateStore
 
 ENV = {"T_SLACK": "http://127.0.0.1:9/services/T/B/secret", "T_PD": "k" * 32}
@@ -54,7 +54,9 @@ class Harness:
         integrations = build_integrations(self.config, read_secrets(self.config), "")
         return Dispatcher(self.state, self.config, integrations)
 
-    def restart(self) -> None:
+    def restart(self, config: dict[str, Any] | None = None) -> None:
+        if config is not None:
+            self.config = NotificationsConfig.model_validate(config)
         self.state.close()
         self.state = StateStore(self.path)
         self.dispatcher = self._dispatcher()
@@ -243,3 +245,39 @@ def test_events_recorded_before_notifications_existed_are_not_replayed(tmp_path:
     with state.reading() as db:
         assert NotifyStore.cursor(db) == 1
     assert store.counts()[PENDING] == 0
+
+
+def test_delivered_notifications_and_consumed_events_are_kept_a_week(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = Harness(tmp_path / "s.db", notifications(repeat_interval="1y"), monkeypatch)
+    h.fire(0, alertname="Old", run_id="a")
+    assert len(h.step(5)) == 1
+    store = NotifyStore(h.state)
+    (entry,) = store.entries(PENDING)
+    store.delivered(entry.id, 6)
+    h.fire(10, alertname="Dead", run_id="b")
+    h.step(15)
+    (dead,) = store.entries(PENDING)
+    store.failed(dead.id, "HTTP 404 no_service", None, 16)
+    assert h.step(KEEP_S) == []  # less than a week since the delivery
+    assert store.counts() == {PENDING: 0, DELIVERED: 1, DEAD: 1}
+    h.step(KEEP_S + PRUNE_EVERY_S + 10)
+    assert store.counts() == {PENDING: 0, DELIVERED: 0, DEAD: 1}  # dead letters stay
+    assert h.state.events() == []
+
+
+def test_alerts_routed_before_a_config_change_still_end_where_they_began(
+    harness: Harness,
+) -> None:
+    h = harness
+    h.fire(0, alertname="LossSpike", run_id="a")
+    assert summary(h.step(5)) == [("slack", [("LossSpike/a", "firing")])]
+    # the receivers and the grouping change while it fires
+    h.restart(notifications(receiver="pager", group_by=["alertname"]))
+    h.fire(6, alertname="LossSpike", run_id="b")
+    assert summary(h.step(11)) == [("pager", [("LossSpike/b", "firing")])]  # new: new routes
+    h.resolve(12, alertname="LossSpike", run_id="a")
+    # Slack was told it fires, so Slack hears it resolve; PagerDuty never knew of it
+    assert summary(h.step(25)) == [("slack", [("LossSpike/a", "resolved")])]
+    assert h.step(35) == []

@@ -126,6 +126,14 @@ def test_secrets_are_read_from_the_environment_and_never_shown(
         "environment variable T_PD_KEY is not set"
     )
     monkeypatch.setenv("T_PD_KEY", "k" * 32)
+    monkeypatch.setenv("T_SLACK_URL", "hooks.example/very-secret")
+    with pytest.raises(ConfigError) as error:
+        read_secrets(config.notifications)
+    assert str(error.value) == (
+        "notifications.receivers.0.slack_configs.0.api_url_env: "
+        "environment variable T_SLACK_URL does not hold an http(s) URL"
+    )
+    monkeypatch.setenv("T_SLACK_URL", "https://hooks.example/T/B/very-secret")
     assert read_secrets(config.notifications) == {
         "T_SLACK_URL": "https://hooks.example/T/B/very-secret",
         "T_PD_KEY": "k" * 32,

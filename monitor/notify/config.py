@@ -172,13 +172,23 @@ def read_secrets(config: NotificationsConfig) -> dict[str, str]:
         for kind, index, integration in receiver.integrations():
             for key, env in _env_names(integration):
                 value = os.environ.get(env, "")
+                where = f"notifications.receivers.{r}.{kind}_configs.{index}.{key}"
                 if not value:
-                    raise ConfigError(
-                        f"notifications.receivers.{r}.{kind}_configs.{index}.{key}: "
-                        f"environment variable {env} is not set"
+                    raise ConfigError(f"{where}: environment variable {env} is not set")
+                if key.endswith("url_env") and not _is_http_url(value):
+                    raise ConfigError(  # the value is a secret: not shown
+                        f"{where}: environment variable {env} does not hold an http(s) URL"
                     )
                 secrets[env] = value
     return secrets
+
+
+def _is_http_url(value: str) -> bool:
+    try:
+        http_url(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _env_names(integration: _Integration) -> list[tuple[str, str]]:

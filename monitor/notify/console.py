@@ -23,6 +23,9 @@ class LogIntegration:
     def __init__(self, send_resolved: bool) -> None:
         self.send_resolved = send_resolved
 
+    def destination(self) -> str:
+        return "log"
+
     def deliver(
         self,
         notification: Notification,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +40,24 @@ class Backoff:
         return ceiling * (0.5 + self.rng.random() / 2)
 
 
+class Pace:
+    """At most one request per ``gap_s`` to one destination, shared by every lane that sends
+    there (two receivers with the same Slack webhook or PagerDuty key keep one pace)."""
+
+    def __init__(self, gap_s: float) -> None:
+        self.gap_s = gap_s
+        self._next = float("-inf")
+        self._lock = threading.Lock()
+
+    def claim(self, now: float) -> float:
+        """0 and the slot is taken; else how long to wait before asking again."""
+        with self._lock:
+            if now >= self._next:
+                self._next = now + self.gap_s
+                return 0.0
+            return self._next - now
+
+
 class Deliverer:
     """The delivery workers of every configured lane."""
 
@@ -59,6 +78,11 @@ class Deliverer:
         self._stop = threading.Event()
         self._wake = {lane: threading.Event() for lane in integrations}
         self._threads: list[threading.Thread] = []
+        paces: dict[str, Pace] = {}
+        self._pace = {
+            lane: paces.setdefault(i.destination(), Pace(i.pace_s))
+            for lane, i in integrations.items()
+        }
 
     def start(self) -> None:
         """Bury what no configured lane can deliver any more, then start a worker per lane."""
@@ -87,8 +111,8 @@ class Deliverer:
 
     def _work(self, lane: str) -> None:
         integration = self.integrations[lane]
+        pace = self._pace[lane]
         session = requests.Session()
-        last_request = float("-inf")
         while not self._stop.is_set():
             self._wake[lane].clear()  # a wake from here on is not lost
             try:
@@ -96,11 +120,12 @@ class Deliverer:
                 if entry is None:
                     self._sleep(lane, IDLE_POLL_S)
                     continue
-                wait = max(entry.next_attempt, last_request + integration.pace_s) - time.time()
+                wait = entry.next_attempt - time.time()
+                if wait <= 0:
+                    wait = pace.claim(time.time())
                 if wait > 0:
                     self._sleep(lane, wait)
                     continue
-                last_request = time.time()
                 outcome = integration.deliver(entry.notification, entry.id, session, self.timeout_s)
                 self._finish(entry, outcome)
             except Exception:  # a worker outlives any one notification
@@ -112,18 +137,34 @@ class Deliverer:
         now = time.time()
         what = f"notification #{entry.id} to {entry.lane}"
         if outcome.result == "delivered":
-            self.store.delivered(entry.id, now)
+            self._record(lambda: self.store.delivered(entry.id, now), what)
             log.debug("%s delivered", what)
         elif outcome.result == "dead":
-            self.store.failed(entry.id, outcome.detail, None, now)
+            self._record(lambda: self.store.failed(entry.id, outcome.detail, None, now), what)
             log.error("%s failed for good, moved to dead letters: %s", what, outcome.detail)
         else:
             delay = outcome.retry_after_s
             if delay is None:
                 delay = self.backoff.delay(entry.attempts + 1)
-            self.store.failed(entry.id, outcome.detail, now + delay, now)
+            self._record(
+                lambda: self.store.failed(entry.id, outcome.detail, now + delay, now), what
+            )
             log.warning("%s failed (%s); retrying in %.1fs", what, outcome.detail, delay)
         self.observe(entry.notification, outcome.result)
+
+    def _record(self, write: Callable[[], None], what: str) -> None:
+        """Write an attempt's result, again and again while the database refuses: the mark
+        of a delivered notification must not be lost, or it would be sent twice."""
+        while True:
+            try:
+                write()
+                return
+            except sqlite3.Error as exc:
+                if self._stop.is_set():
+                    log.error("state database: %s; the result of %s is lost", exc, what)
+                    return
+                log.error("state database: %s; recording %s again in 1s", exc, what)
+                self._stop.wait(1.0)
 
     def _sleep(self, lane: str, seconds: float) -> None:
         self._wake[lane].wait(seconds)

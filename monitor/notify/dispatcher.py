@@ -4,9 +4,11 @@ and every ``group_interval`` after that; leave out silenced and inhibited alerts
 receiver integration only what changed since it was last told, or everything again once
 ``repeat_interval`` has passed; queue what it is told in the outbox.
 
-One difference from Alertmanager, on purpose: a receiver that was told an alert fires is told
+Two differences from Alertmanager, on purpose: a receiver that was told an alert fires is told
 when it resolves even if the alert is silenced or inhibited by then, so a page never stays open
-because someone silenced it after acknowledging it."""
+because someone silenced it after acknowledging it; and the groups outlive config changes (they
+are persisted): an alert keeps the receivers it was routed to while it fires, and they hear when
+it resolves, while alerts that fire after the change follow the new routes."""
 
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from lossguard.monitor.alerting import TransitionKind
 from lossguard.monitor.notify.config import NotificationsConfig
-from lossguard.monitor.notify.facts import RunFacts
+from lossguard.monitor.notify.facts import Facts, RunFacts
 from lossguard.monitor.notify.inhibit import Inhibitor
 from lossguard.monitor.notify.integrations import Integration
-from lossguard.monitor.notify.model import AlertInfo, Notification
+from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo, Notification
 from lossguard.monitor.notify.routing import Route, build_route
 from lossguard.monitor.notify.silences import Silence, SilenceStore
 from lossguard.monitor.notify.store import Group, NotifyStore
@@ -29,6 +31,8 @@ from lossguard.monitor.state import AlertEvent, StateStore
 log = logging.getLogger("lossguard.monitor.notify")
 Labels = Mapping[str, str]
 NOTIFIED_KINDS = (TransitionKind.FIRING, TransitionKind.RESOLVED)
+KEEP_S = 7 * 86400  # delivered notifications and consumed alert events are kept a week
+PRUNE_EVERY_S = 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +74,18 @@ class Dispatcher:
         }
         self.facts = facts
         self.external_url = external_url
+        self._next_prune = 0.0
 
     def step(self, now: float, firing: Sequence[Labels]) -> list[int]:
         """Take in new transitions and flush the groups that are due; the ids queued.
         ``firing``: the labels of every firing alert (the sources of inhibition)."""
         self.ingest(now)
-        return self.flush(now, firing)
+        queued = self.flush(now, firing)
+        if now >= self._next_prune:
+            with self.state.transaction() as db:
+                NotifyStore.prune(db, now - KEEP_S)
+            self._next_prune = now + PRUNE_EVERY_S
+        return queued
 
     def ingest(self, now: float, batch: int = 1000) -> int:
         """Put the firing and resolved transitions recorded since the last call into their
@@ -85,13 +95,18 @@ class Dispatcher:
         events = self.state.events(cursor, batch)
         if not events:
             return 0
-        alerts = [(self._alert_info(e), e) for e in events if e.transition.kind in NOTIFIED_KINDS]
+        facts: dict[tuple[str, float], Facts] = {}  # one lookup per run and evaluation
+        alerts = [
+            (self._alert_info(e, facts), e) for e in events if e.transition.kind in NOTIFIED_KINDS
+        ]
         with self.state.transaction() as db:
             for alert, event in alerts:
+                if alert.status == "resolved":  # also where it was routed before a config change
+                    NotifyStore.resolve_everywhere(db, alert)
                 for route in self.route.match(alert.labels):
                     key = route.group_key(alert.labels)
                     group = Group(
-                        id=f"{route.id}|{key}",
+                        id=f"{route.id}|{route.receiver}|{key}",
                         key=key,
                         route=route.id,
                         receiver=route.receiver,
@@ -102,11 +117,14 @@ class Dispatcher:
             NotifyStore.set_cursor(db, events[-1].id)
         return len(events)
 
-    def _alert_info(self, event: AlertEvent) -> AlertInfo:
+    def _alert_info(self, event: AlertEvent, facts: dict[tuple[str, float], Facts]) -> AlertInfo:
         transition = event.transition
         alert = transition.alert
         resolved = transition.kind is TransitionKind.RESOLVED
-        step, actions = self.facts.of(alert.labels, transition.at) if self.facts else (None, ())
+        key = (alert.labels.get(RUN_LABEL, ""), transition.at)
+        if key not in facts:
+            facts[key] = self.facts.of(alert.labels, transition.at) if self.facts else (None, ())
+        step, actions = facts[key]
         return AlertInfo(
             fingerprint=alert.fingerprint,
             status="resolved" if resolved else "firing",
@@ -125,11 +143,13 @@ class Dispatcher:
         queued: list[int] = []
         with self.state.transaction() as db:
             for group in NotifyStore.due_groups(db, now):
-                route = self.routes.get(group.route)
-                if route is None or group.receiver not in self.lanes:
-                    log.warning("dropping alert group %s: its route is gone", group.key)
+                if group.receiver not in self.lanes:
+                    log.warning("dropping alert group %s: its receiver is gone", group.key)
                     NotifyStore.drop_group(db, group.id)
                     continue
+                # a group whose route was edited away lives on, on the root's timers, so its
+                # receiver still hears the end of what it was told
+                route = self.routes.get(group.route, self.route)
                 alerts = NotifyStore.group_alerts(db, group.id)
                 muted = {
                     a.fingerprint

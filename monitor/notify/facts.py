@@ -19,6 +19,7 @@ ACTIONS = {  # counter -> how a notification says it
     "lossguard_skipped_steps_total": ("skipped {n} step", "skipped {n} steps"),
 }
 FACT_METRICS = frozenset({STEP, *ACTIONS})
+Facts = tuple[int | None, tuple[str, ...]]  # the run's step, what was done about it
 
 
 class RunFacts:
@@ -27,7 +28,7 @@ class RunFacts:
     def __init__(self, source: Source) -> None:
         self.source = source
 
-    def of(self, labels: Mapping[str, str], t: float) -> tuple[int | None, tuple[str, ...]]:
+    def of(self, labels: Mapping[str, str], t: float) -> Facts:
         run_id = labels.get(RUN_LABEL)
         if not run_id:
             return None, ()

@@ -7,8 +7,9 @@ from __future__ import annotations
 import email.utils
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
 
 import requests
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 Result = Literal["delivered", "retry", "dead"]
 PERMANENT = frozenset({400, 401, 403, 404, 405, 410, 413, 422})
 MAX_BODY_IN_ERROR = 300
+SECRET_PIECE = 8  # path parts this long or longer may be tokens
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class HttpIntegration:
     """An integration that POSTs one JSON body per notification to its URL (a secret)."""
 
     kind: str
-    pace_s: float  # least seconds between two requests on the lane
+    pace_s: float  # least seconds between two requests to the same destination
     per_alert: bool  # one notification (outbox row) per alert
 
     def __init__(self, url: str, send_resolved: bool) -> None:
@@ -52,6 +54,16 @@ class HttpIntegration:
         """A verdict on a 2xx reply other than delivered, or None."""
         return None
 
+    def destination(self) -> str:
+        return self.url
+
+    def secrets(self) -> list[str]:
+        """What an outcome's detail must never show: the URL and its longer path parts and
+        query (where webhook tokens live)."""
+        parts = urlsplit(self.url)
+        pieces = [p for p in parts.path.split("/") if len(p) >= SECRET_PIECE]
+        return [self.url, *pieces, *([parts.query] if parts.query else [])]
+
     def deliver(
         self,
         notification: Notification,
@@ -63,7 +75,16 @@ class HttpIntegration:
             body = self.body(notification, notification_id)
         except ValueError as exc:
             return Outcome("dead", str(exc))
-        return post_json(session, self.url, body, timeout_s, accept=self.accept)
+        outcome = post_json(session, self.url, body, timeout_s, accept=self.accept)
+        return replace(outcome, detail=redact(outcome.detail, self.secrets()))
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    """``text`` with every secret, longest first, replaced by ``<secret>``: a receiver that
+    echoes its URL or key in an error does not get it into the log."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "<secret>")
+    return text
 
 
 def post_json(

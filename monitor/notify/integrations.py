@@ -27,8 +27,13 @@ from lossguard.monitor.notify.webhook import WebhookIntegration
 class Integration(Protocol):
     kind: str  # "slack" | "pagerduty" | "webhook" | "log"
     send_resolved: bool
-    pace_s: float  # least seconds between two requests on the lane
+    pace_s: float  # least seconds between two requests to the same destination
     per_alert: bool  # one notification (outbox row) per alert
+
+    def destination(self) -> str:
+        """What the service keeps its pace by (a webhook URL, a routing key): lanes that share
+        one share the pace."""
+        ...
 
     def deliver(
         self,

@@ -38,6 +38,12 @@ class PagerDutyIntegration(HttpIntegration):
         self.routing_key = routing_key
         self.links = links
 
+    def destination(self) -> str:
+        return self.routing_key  # PagerDuty's rate limit is per routing key
+
+    def secrets(self) -> list[str]:
+        return [self.routing_key]  # the events URL is public
+
     def body(self, notification: Notification, notification_id: int) -> dict[str, Any]:
         if len(notification.alerts) != 1:
             raise ValueError(

@@ -128,6 +128,14 @@ class NotifyStore:
         )
 
     @staticmethod
+    def resolve_everywhere(db: sqlite3.Connection, alert: AlertInfo) -> None:
+        """Mark ``alert`` resolved in every group that holds it."""
+        db.execute(
+            "UPDATE notify_group_alerts SET alert = ? WHERE fingerprint = ?",
+            (json.dumps(alert.to_json(), sort_keys=True), alert.fingerprint),
+        )
+
+    @staticmethod
     def due_groups(db: sqlite3.Connection, now: float) -> list[Group]:
         rows = db.execute(
             "SELECT group_id, group_key, route, receiver, group_labels, next_flush"
@@ -209,6 +217,15 @@ class NotifyStore:
         for table in ("notify_groups", "notify_group_alerts", "notify_log"):
             db.execute(f"DELETE FROM {table} WHERE group_id = ?", (group_id,))
 
+    @staticmethod
+    def prune(db: sqlite3.Connection, before: float) -> None:
+        """Forget notifications delivered before ``before``, and alert events from then that
+        were consumed; dead letters stay for the operator."""
+        db.execute("DELETE FROM outbox WHERE state = ? AND finished_at < ?", (DELIVERED, before))
+        db.execute(
+            "DELETE FROM alert_events WHERE at < ? AND id <= ?", (before, NotifyStore.cursor(db))
+        )
+
     # ------------------------------------------------------------------ the delivery side
 
     def next_pending(self, lane: str) -> OutboxEntry | None:
@@ -249,6 +266,34 @@ class NotifyStore:
                     " WHERE id = ?",
                     (error, retry_at, entry_id),
                 )
+
+    def requeue(self, entry_ids: list[int], now: float) -> dict[int, int]:
+        """Dead letters back to the end of the outbox, to be tried now: old id -> new id, for
+        the ids that were dead (a new id: it goes after what is already waiting)."""
+        moved: dict[int, int] = {}
+        with self.state.transaction() as db:
+            for entry_id in entry_ids:
+                cur = db.execute(
+                    "INSERT INTO outbox (created_at, lane, notification, state, next_attempt)"
+                    " SELECT created_at, lane, notification, ?, ? FROM outbox"
+                    " WHERE id = ? AND state = ?",
+                    (PENDING, now, entry_id, DEAD),
+                )
+                if cur.rowcount and cur.lastrowid is not None:
+                    db.execute("DELETE FROM outbox WHERE id = ?", (entry_id,))
+                    moved[entry_id] = cur.lastrowid
+        return moved
+
+    def drop(self, entry_ids: list[int]) -> list[int]:
+        """Forget dead letters; the ids that were dead."""
+        with self.state.transaction() as db:
+            return [
+                entry_id
+                for entry_id in entry_ids
+                if db.execute(
+                    "DELETE FROM outbox WHERE id = ? AND state = ?", (entry_id, DEAD)
+                ).rowcount
+            ]
 
     def entries(self, state: str, limit: int = 100) -> list[OutboxEntry]:
         """Outbox entries in ``state``, newest first."""
