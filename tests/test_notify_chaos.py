@@ -83,11 +83,12 @@ def slack_statuses(slack: FakeSlack) -> Counter[tuple[str, str]]:
 
 
 def interrupted_by_a_kill(slack: FakeSlack, notification_id: int, kills: list[float]) -> bool:
-    """Whether a kill fell between Slack taking this message the first time and a moment
-    after its 200 went out: the one window in which a repeat is expected."""
+    """Whether a kill fell between Slack taking this message the first time and shortly after
+    its 200 went out (the monitor records it within milliseconds; 2 s allows for a loaded
+    machine): the one window in which a repeat is expected."""
     first = next(m for m in slack.messages if m.notification_id == notification_id)
     exchange = next(x for x in slack.exchanges if x.arrived_at == first.received_at)
-    end = (exchange.replied_at or first.received_at + 2.0) + 0.5
+    end = (exchange.replied_at or first.received_at) + 2.0
     return any(first.received_at - 0.01 <= k <= end for k in kills)
 
 
@@ -175,7 +176,9 @@ def test_every_notification_arrives_exactly_once_through_failures_and_kills(
         repeated = [i for i, n in ids.items() if n > 1]
         for notification_id in repeated:
             assert isinstance(notification_id, int)
-            assert interrupted_by_a_kill(slack, notification_id, killer.kills)
+            assert interrupted_by_a_kill(slack, notification_id, killer.kills), (
+                f"Slack got notification #{notification_id} twice with no kill around it"
+            )
         statuses = slack_statuses(slack)
         assert set(statuses) == {(str(i), s) for i in range(ALERTS) for s in ("FIRING", "RESOLVED")}
         assert sum(statuses.values()) == 2 * ALERTS + sum(ids[i] - 1 for i in repeated)
