@@ -19,7 +19,7 @@ import requests
 import yaml
 
 from .conftest import free_port
-from .promserver import running
+from .promserver import ServerProcess, running
 
 
 def binary(name: str) -> str:
@@ -41,18 +41,10 @@ def write_config(path: Path, config: Mapping[str, Any]) -> Path:
 
 
 @dataclass
-class AlertmanagerServer:
-    process: subprocess.Popen[bytes]
-    port: int
-    directory: Path
+class AlertmanagerServer(ServerProcess):
+    """A running Alertmanager: its base URL and its alerts API."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> str:
-        return (self.directory / "alertmanager.log").read_text(errors="replace")
+    LOG_FILE = "alertmanager.log"
 
     def post_alerts(self, alerts: Sequence[Mapping[str, Any]]) -> None:
         """``POST /api/v2/alerts`` with these postable alerts, in this order, in one request."""
@@ -78,7 +70,7 @@ def alertmanager(directory: Path, config: Mapping[str, Any]) -> Iterator[Alertma
     directory.mkdir(parents=True, exist_ok=True)
     config_path = write_config(directory / "alertmanager.yml", config)
     port = free_port()
-    with open(directory / "alertmanager.log", "wb") as log:
+    with open(directory / AlertmanagerServer.LOG_FILE, "wb") as log:
         process = subprocess.Popen(
             [
                 binary("prometheus-alertmanager"),

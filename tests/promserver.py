@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import requests
@@ -31,9 +31,10 @@ def prometheus_binary() -> str:
 
 
 @dataclass
-class PromServer:
-    """A running Prometheus: its base URL and a few API helpers."""
+class ServerProcess:
+    """A server binary running on 127.0.0.1:``port``, logging to ``directory/LOG_FILE``."""
 
+    LOG_FILE: ClassVar[str]
     process: subprocess.Popen[bytes]
     port: int
     directory: Path
@@ -44,7 +45,14 @@ class PromServer:
 
     @property
     def log(self) -> str:
-        return (self.directory / "prometheus.log").read_text(errors="replace")
+        return (self.directory / self.LOG_FILE).read_text(errors="replace")
+
+
+@dataclass
+class PromServer(ServerProcess):
+    """A running Prometheus: its base URL and a few API helpers."""
+
+    LOG_FILE = "prometheus.log"
 
     def api(self, path: str, **params: Any) -> Any:
         """``GET /api/v1/<path>``: the reply's ``data`` (fails the test on an API error)."""
@@ -101,7 +109,7 @@ def prometheus(
     config_path = directory / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()
-    with open(directory / "prometheus.log", "wb") as log:
+    with open(directory / PromServer.LOG_FILE, "wb") as log:
         process = subprocess.Popen(
             [
                 binary,
@@ -118,19 +126,8 @@ def prometheus(
         yield server
 
 
-class Server(Protocol):
-    """A server binary under test: its process, URL and log."""
-
-    process: subprocess.Popen[bytes]
-
-    @property
-    def url(self) -> str: ...
-    @property
-    def log(self) -> str: ...
-
-
 @contextmanager
-def running(server: Server, name: str, ready_timeout: float) -> Iterator[None]:
+def running(server: ServerProcess, name: str, ready_timeout: float) -> Iterator[None]:
     """Wait until ``server`` answers ``/-/ready`` (failing with its log if it exits), then
     stop it on exit: SIGTERM, SIGKILL after 20 s."""
     try:
@@ -145,7 +142,7 @@ def running(server: Server, name: str, ready_timeout: float) -> Iterator[None]:
             server.process.wait()
 
 
-def _ready(server: Server, name: str) -> bool:
+def _ready(server: ServerProcess, name: str) -> bool:
     if server.process.poll() is not None:
         raise AssertionError(f"{name} exited with {server.process.returncode}: {server.log}")
     try:
