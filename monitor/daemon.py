@@ -75,7 +75,6 @@ class Monitor:
             config.notifications,
             integrations,
             facts=RunFacts(self.source),
-            external_url=config.rules.external_url,
         )
         delivery = config.notifications.delivery
         self.deliverer = Deliverer(

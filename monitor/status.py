@@ -12,7 +12,7 @@ import requests
 
 from lossguard.monitor.alerting import AlertState
 from lossguard.monitor.notify.silences import SilenceStore
-from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore
+from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore, OutboxEntry
 from lossguard.monitor.state import StateStore, value_text
 
 LISTED = 20  # pending notifications and dead letters shown
@@ -60,7 +60,7 @@ def collect(state: StateStore, timeout_s: float = 2.0) -> dict[str, Any]:
     }
 
 
-def _entry(entry: Any) -> dict[str, Any]:
+def _entry(entry: OutboxEntry) -> dict[str, Any]:
     n = entry.notification
     return {
         "id": entry.id,

@@ -93,53 +93,53 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128  # Alertmanager sends many groups at once; 5 would drop connections
 
 
-class WebhookSink:
-    """An HTTP server on 127.0.0.1 that keeps the JSON body of every POST and answers 200."""
+class CaptureServer:
+    """A webhook receiver on 127.0.0.1 (for Alertmanager, or our webhook integration) that
+    records each POST's path, headers and JSON body and answers with ``status``."""
 
     def __init__(self) -> None:
-        self.messages: list[dict[str, Any]] = []
+        self.status = 200
+        self.posts: list[tuple[str, dict[str, str], Any]] = []
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        )
-        self._thread.start()
+        ).start()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/"
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}{path}"
 
-    def received(self) -> list[dict[str, Any]]:
+    def bodies(self, path: str) -> list[Any]:
         with self._lock:
-            return list(self.messages)
+            return [body for p, _, body in self.posts if p == path]
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        sink = self
+        capture = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                with sink._lock:
-                    sink.messages.append(json.loads(body))
-                self.send_response(200)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with capture._lock:
+                    capture.posts.append((self.path, dict(self.headers), body))
+                self.send_response(capture.status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
             def log_message(self, format: str, *args: Any) -> None:
-                """Quiet: the tests assert on what matters."""
+                """Quiet."""
 
         return Handler
 
 
 @contextmanager
-def webhook_sink() -> Iterator[WebhookSink]:
-    sink = WebhookSink()
+def capture_server() -> Iterator[CaptureServer]:
+    server = CaptureServer()
     try:
-        yield sink
+        yield server
     finally:
-        sink.close()
+        server.close()

@@ -20,7 +20,7 @@ from lossguard.monitor.notify.config import RouteConfig
 from lossguard.monitor.notify.matchers import Matcher
 from lossguard.monitor.notify.routing import Route, build_route, label_set_string
 
-from .amserver import alertmanager, amtool, webhook_sink, write_config
+from .amserver import alertmanager, amtool, capture_server, write_config
 from .conftest import wait_for
 
 
@@ -321,8 +321,8 @@ def test_group_keys_as_alertmanager(tmp_path: Path, drawn: list[dict[str, str]])
     """Every (receiver, group key) Alertmanager notifies, with its group labels, is ours."""
     alerts = HAND_PICKED + drawn
     expected = {(r.receiver, r.group_key(labels)) for labels in alerts for r in ROOT.match(labels)}
-    with webhook_sink() as sink:
-        hook = {"url": sink.url, "send_resolved": False}
+    with capture_server() as sink:
+        hook = {"url": sink.url("/"), "send_resolved": False}
         config = {
             "route": TREE,
             "receivers": [{"name": name, "webhook_configs": [hook]} for name in RECEIVERS],
@@ -331,11 +331,11 @@ def test_group_keys_as_alertmanager(tmp_path: Path, drawn: list[dict[str, str]])
             am.post_firing(alerts)
 
             def notified() -> set[tuple[str, str]]:
-                return {(m["receiver"], m["groupKey"]) for m in sink.received()}
+                return {(m["receiver"], m["groupKey"]) for m in sink.bodies("/")}
 
             wait_for(lambda: len(notified()) >= len(expected), 15, "a message for every group")
             assert notified() == expected
-            messages = sink.received()
+            messages = sink.bodies("/")
     for message in messages:
         for alert in message["alerts"]:
             labels = alert["labels"]

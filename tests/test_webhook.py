@@ -4,14 +4,11 @@ HTTP server."""
 
 from __future__ import annotations
 
-import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +26,7 @@ from lossguard.monitor.notify.webhook import (
     webhook_payload,
 )
 
-from .amserver import alertmanager
+from .amserver import CaptureServer, alertmanager
 from .conftest import free_port, wait_for
 
 RECEIVER = "ml-ops.webhook (p1)"  # regexp-special characters, a space and a dash
@@ -37,49 +34,6 @@ GROUP_BY = ("alertname", "run_id")
 MAX_ALERTS = 2
 HEX16 = re.compile(r"[0-9a-f]{16}")
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-
-
-class CaptureServer:
-    """An HTTP server on 127.0.0.1 that records each POST's path, headers and JSON body and
-    answers with ``status``."""
-
-    def __init__(self) -> None:
-        self.status = 200
-        self.posts: list[tuple[str, dict[str, str], Any]] = []
-        self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
-        threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        ).start()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}{path}"
-
-    def bodies(self, path: str) -> list[Any]:
-        with self._lock:
-            return [body for p, _, body in self.posts if p == path]
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        capture = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with capture._lock:
-                    capture.posts.append((self.path, dict(self.headers), body))
-                self.send_response(capture.status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                """Quiet."""
-
-        return Handler
 
 
 @pytest.fixture
@@ -159,7 +113,6 @@ class Group:
             group_labels=group_labels,
             alerts=tuple(self._info(i) for i in indices),
             created_at=time.time(),
-            external_url=self.external_url,
         )
 
     def _postable(self, i: int) -> dict[str, Any]:
@@ -220,10 +173,10 @@ def test_payload_matches_alertmanager(tmp_path: Path, capture: CaptureServer) ->
         def check(step: int, indices: list[int]) -> None:
             expected = group.notification(indices)
             assert_same_as_alertmanager(
-                webhook_payload(expected), wait_for_body(capture, full, step)
+                webhook_payload(expected, external_url=am.url), wait_for_body(capture, full, step)
             )
             assert_same_as_alertmanager(
-                webhook_payload(expected, MAX_ALERTS), wait_for_body(capture, cut, step)
+                webhook_payload(expected, MAX_ALERTS, am.url), wait_for_body(capture, cut, step)
             )
 
         am.post_alerts(group.postable(everyone))
@@ -263,7 +216,6 @@ def notification(alerts: int, truncated: int = 0) -> Notification:
         group_labels={"alertname": "NaNLoss"},
         alerts=infos,
         created_at=1_700_000_200.0,
-        external_url="http://monitor:9200",
         truncated_alerts=truncated,
     )
 

@@ -22,7 +22,7 @@ from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.notify.facts import Facts, RunFacts
 from lossguard.monitor.notify.inhibit import Inhibitor
 from lossguard.monitor.notify.integrations import Integration
-from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo, Notification
+from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo, Notification, lane_name
 from lossguard.monitor.notify.routing import Route, build_route
 from lossguard.monitor.notify.silences import Silence, SilenceStore
 from lossguard.monitor.notify.store import Group, NotifyStore
@@ -56,7 +56,6 @@ class Dispatcher:
         integrations: Mapping[str, Integration],
         *,
         facts: RunFacts | None = None,
-        external_url: str = "",
     ) -> None:
         self.state = state
         self.store = NotifyStore(state)
@@ -68,12 +67,11 @@ class Dispatcher:
             receiver.name: [
                 Lane(name, receiver.name, kind, index, integrations[name])
                 for kind, index, _ in receiver.integrations()
-                for name in [f"{receiver.name}/{kind}[{index}]"]
+                for name in [lane_name(receiver.name, kind, index)]
             ]
             for receiver in config.receivers
         }
         self.facts = facts
-        self.external_url = external_url
         self._next_prune = 0.0
 
     def step(self, now: float, firing: Sequence[Labels]) -> list[int]:
@@ -204,7 +202,6 @@ class Dispatcher:
             group_labels=group.labels,
             alerts=tuple(current + (ended if send_resolved else [])),
             created_at=now,
-            external_url=self.external_url,
         )
         NotifyStore.set_told(
             db, group.id, lane.name, still_told | {a.fingerprint for a in current}, now

@@ -18,7 +18,7 @@ from lossguard.monitor.notify.config import (
 from lossguard.monitor.notify.console import LogIntegration
 from lossguard.monitor.notify.http import Outcome
 from lossguard.monitor.notify.links import Links
-from lossguard.monitor.notify.model import Notification
+from lossguard.monitor.notify.model import Notification, lane_name
 from lossguard.monitor.notify.pagerduty import PagerDutyIntegration
 from lossguard.monitor.notify.slack import SlackIntegration
 from lossguard.monitor.notify.webhook import WebhookIntegration
@@ -54,7 +54,7 @@ def build_integrations(
     built: dict[str, Integration] = {}
     for receiver in config.receivers:
         for kind, index, integration in receiver.integrations():
-            lane = f"{receiver.name}/{kind}[{index}]"
+            lane = lane_name(receiver.name, kind, index)
             try:
                 built[lane] = _build(integration, secrets, links)
             except KeyError as missing:
@@ -73,7 +73,7 @@ def _build(config: object, secrets: dict[str, str], links: Links) -> Integration
         return PagerDutyIntegration(config.url, key, config.send_resolved, links)
     if isinstance(config, WebhookConfig):
         url = secrets[config.url_env]
-        return WebhookIntegration(url, config.send_resolved, config.max_alerts)
+        return WebhookIntegration(url, config.send_resolved, config.max_alerts, links.monitor_url)
     if isinstance(config, LogConfig):
         return LogIntegration(config.send_resolved)
     raise TypeError(f"no integration for {type(config).__name__}")

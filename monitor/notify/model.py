@@ -52,7 +52,6 @@ class Notification:
     group_labels: dict[str, str]
     alerts: tuple[AlertInfo, ...]
     created_at: float
-    external_url: str = ""  # the monitor's URL, as Alertmanager's externalURL
     truncated_alerts: int = 0
 
     @property
@@ -79,7 +78,7 @@ class Notification:
     @property
     def lane(self) -> str:
         """The delivery lane: one per receiver integration, delivered in order and paced."""
-        return f"{self.receiver}/{self.integration}[{self.index}]"
+        return lane_name(self.receiver, self.integration, self.index)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -91,6 +90,11 @@ class Notification:
         data = json.loads(text)
         data["alerts"] = tuple(AlertInfo.from_json(a) for a in data["alerts"])
         return cls(**data)
+
+
+def lane_name(receiver: str, kind: str, index: int) -> str:
+    """``team/slack[0]``: a receiver's ``index``-th integration of ``kind``."""
+    return f"{receiver}/{kind}[{index}]"
 
 
 def _common(dicts: list[dict[str, str]]) -> dict[str, str]:

@@ -7,8 +7,8 @@ is built), ``template/template.go`` (``Data``; the receiver name regexp-quoted) 
 ``dispatch/dispatch.go`` (a group's alerts sorted by ``types.AlertSlice``; a firing alert's
 ``endsAt`` is Go's zero time). Two values differ by design: ``fingerprint`` is ours (16 hex
 digits of SHA-256, the id the rest of lossguard uses) where Alertmanager's is FNV-64a of the
-labels; ``generatorURL`` is the monitor's URL (the notification's ``external_url``), as
-lossguard keeps no per-alert source link. Lossguard's extras (value, step, actions) are left
+labels; ``generatorURL`` is the monitor's URL (its ``rules.external_url``), as lossguard keeps no
+per-alert source link. Lossguard's extras (value, step, actions) are left
 out, so the payload has exactly Alertmanager's shape."""
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ REGEXP_SPECIAL = frozenset("\\.+*?()|[]{}^$")  # Go's regexp.QuoteMeta escapes t
 ORDER_FIRST = ("job", "instance")  # types.AlertSlice compares these labels first
 
 
-def webhook_payload(notification: Notification, max_alerts: int = 0) -> dict[str, Any]:
+def webhook_payload(
+    notification: Notification, max_alerts: int = 0, external_url: str = ""
+) -> dict[str, Any]:
     """Alertmanager's webhook body for ``notification``: alerts in Alertmanager's order, at
     most ``max_alerts`` of them (0: all); status and common labels describe the alerts sent,
-    ``truncatedAlerts`` counts the others."""
+    ``truncatedAlerts`` counts the others; ``external_url`` is the monitor's."""
     ordered = sorted(notification.alerts, key=cmp_to_key(_compare))
     kept = ordered[:max_alerts] if max_alerts else ordered
     shown = replace(
@@ -41,11 +43,11 @@ def webhook_payload(notification: Notification, max_alerts: int = 0) -> dict[str
     return {
         "receiver": quote_meta(shown.receiver),
         "status": shown.status,
-        "alerts": [_alert(alert, shown.external_url) for alert in kept],
+        "alerts": [_alert(alert, external_url) for alert in kept],
         "groupLabels": _sorted(shown.group_labels),
         "commonLabels": _sorted(shown.common_labels),
         "commonAnnotations": _sorted(shown.common_annotations),
-        "externalURL": shown.external_url,
+        "externalURL": external_url,
         "version": VERSION,
         "groupKey": shown.group_key,
         "truncatedAlerts": shown.truncated_alerts,
@@ -61,12 +63,15 @@ class WebhookIntegration(HttpIntegration):
     pace_s = 0.0
     per_alert = False
 
-    def __init__(self, url: str, send_resolved: bool, max_alerts: int) -> None:
+    def __init__(
+        self, url: str, send_resolved: bool, max_alerts: int, external_url: str = ""
+    ) -> None:
         super().__init__(url, send_resolved)
         self.max_alerts = max_alerts
+        self.external_url = external_url  # the monitor's, as Alertmanager's externalURL
 
     def body(self, notification: Notification, notification_id: int) -> dict[str, Any]:
-        return webhook_payload(notification, self.max_alerts)
+        return webhook_payload(notification, self.max_alerts, self.external_url)
 
 
 def go_time(seconds: float | None) -> str:
