@@ -7,17 +7,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from lossguard.common import __version__
 
 if TYPE_CHECKING:
-    from .guard import Guard
+    from lossguard.agent.guard import Guard
 
 __all__ = ["Guard", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Guard":
-        from .guard import Guard
+        from lossguard.agent.guard import Guard
 
         return Guard
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,26 +7,18 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .config import Config, ConfigError, load_config
-from .protocol import Target, parse_target
+from lossguard.agent.config import Config, load_config
+from lossguard.common.cli import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_override_option,
+)
+from lossguard.common.config import ConfigError
+from lossguard.common.protocol import Target, parse_target
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-
-
-def add_override_option(parser: argparse.ArgumentParser, example: str) -> None:
-    """``--set KEY=VALUE`` (repeatable), collected in ``overrides``."""
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"override a config key, e.g. --set {example} (repeatable)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,8 +95,8 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 
 
 def _run(args: argparse.Namespace, cfg: Config) -> int:
-    from .guard import RestoreError
-    from .trainer import Trainer
+    from lossguard.agent.recovery import RestoreError
+    from lossguard.agent.train.trainer import Trainer
 
     resume = _resume_target(args)
     try:
@@ -131,7 +123,7 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def _bench(args: argparse.Namespace, cfg: Config) -> int:
-    from .bench import (
+    from lossguard.agent.train.bench import (
         checkpoint_table,
         overhead_table,
         print_table,
@@ -158,7 +150,7 @@ def _bench(args: argparse.Namespace, cfg: Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .progress import setup_logging
+    from lossguard.common.console import setup_logging
 
     setup_logging()
     try:

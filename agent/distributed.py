@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from lossguard.common.config import ConfigError
 
 T = TypeVar("T")
 

@@ -11,116 +11,49 @@
     guard.finish()                             # final checkpoint; then guard.close()
 
 Per-step values stay on the device; they are read once per log interval. Checkpoints cover
-every registered state (``register``), the data position and all RNG states.
+every registered state (``register``), the data position and all RNG states (``recovery``);
+commands are applied by ``control.commands``; records go to the sinks in ``telemetry.sinks``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import logging
 import math
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Any, Protocol
+from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointMeta, CheckpointStore, snapshot
-from .commands import CommandRunner
-from .config import Config, ConfigError
-from .control import ControlServer, ListenError
-from .distributed import (
-    all_gather_objects,
-    all_reduce_max,
-    all_reduce_max_tensor,
-    all_reduce_sum,
-    broadcast_objects,
+from lossguard.agent.checkpoint.meta import CheckpointMeta
+from lossguard.agent.checkpoint.store import CheckpointStore
+from lossguard.agent.config import Config
+from lossguard.agent.control.commands import CommandRunner
+from lossguard.agent.control.server import ControlServer, serve_control
+from lossguard.agent.distributed import (
     control_group,
     rank_and_world,
 )
-from .metrics import SIGNALS
-from .progress import ProgressDisplay, make_progress
-from .protocol import SOCKET_NAME, Target
-from .rng import capture_rng, restore_rng
-from .rundir import RunDirectory, package_versions
-from .telemetry import Telemetry
-
-log = logging.getLogger("lossguard.agent")
-
-CHECKPOINT_FORMAT = 1
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
-
-
-class RestoreError(RuntimeError):
-    """A checkpoint could not be restored; the message names it and why. ``not_found``: no
-    usable checkpoint matched the target."""
-
-    def __init__(self, message: str, *, not_found: bool = False) -> None:
-        super().__init__(message)
-        self.not_found = not_found
-
-
-def device_description(device: torch.device) -> dict[str, Any]:
-    """What env.json records about the training device."""
-    info: dict[str, Any] = {"type": device.type, "name": device.type}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(
-            name=props.name,
-            capability=f"{props.major}.{props.minor}",
-            memory_bytes=props.total_memory,
-            cuda=torch.version.cuda,
-        )
-    else:
-        info["threads"] = torch.get_num_threads()
-    return info
-
-
-def weights_digest(model: nn.Module) -> str:
-    """sha256 of the model's tensors: equal on every rank that holds the same weights."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(
-            tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-        )
-    return digest.hexdigest()
-
-
-DETECTOR_STATE = "spikes/"
-
-
-def _optional(state_name: str) -> bool:
-    """Detector state: a checkpoint without it (or from other settings) still restores."""
-    return state_name.startswith(DETECTOR_STATE)
-
-
-def _skips_on_device(
-    optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None
-) -> bool:
-    """A fused optimizer skips a step on a device flag (``found_inf``) without a host sync;
-    with a GradScaler, the scaler already skips non-finite steps itself."""
-    if optimizer is None or scaler is not None:
-        return False
-    if optimizer.defaults.get("fused"):
-        return True
-    log.warning(
-        "the optimizer is not fused: non-finite steps are counted but their updates cannot be "
-        "skipped without a host sync (use e.g. torch.optim.AdamW(..., fused=True))"
-    )
-    return False
+from lossguard.agent.recovery import (
+    DETECTOR_STATE,
+    PROGRESS_STATE,
+    OnSaved,
+    Recovery,
+    Stateful,
+    TrainProgress,
+)
+from lossguard.agent.rundir import RunDirectory, package_versions
+from lossguard.agent.stop_signals import StopSignals
+from lossguard.agent.telemetry.collector import Telemetry, skips_on_device
+from lossguard.agent.telemetry.hardware import device_description
+from lossguard.agent.telemetry.interval import DetectionAudit, Interval
+from lossguard.agent.telemetry.progress import make_progress
+from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
+from lossguard.common.protocol import ErrorCode, Target
 
 
 class Guard:
@@ -149,43 +82,36 @@ class Guard:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
+        self.progress = TrainProgress()
         self.state: dict[str, Stateful] = {"model": model}
         extra = {"optimizer": optimizer, "scheduler": scheduler, "data": data}
         extra.update(scaler=scaler, ema=ema)
         self.state.update({k: v for k, v in extra.items() if v is not None})
+        self.state[PROGRESS_STATE] = self.progress
         self.rank, self.world_size = rank_and_world()
         self.device = next(model.parameters()).device
         self._params = [p for p in model.parameters() if p.requires_grad]
 
-        self.step = 0
-        self.tokens_total = 0
-        self.lr_scale = 1.0
         self.paused = False
-        self.stop_requested = False
+        self._stop = False
         self.started_at = time.time()
-        self.last_record: dict[str, Any] | None = None
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
-        self._last_saved_step: int | None = None
         self._save_due = False
-        self._state_mixed = False
-        self._seen_totals: dict[str, int] = {}
         self._nonfinite_checkpoint_taken = False
-        self._signal: int | None = None
-        self._previous_handlers: dict[int, Any] = {}
-        self._reset_interval()
+        self.signals = StopSignals()
+        self.interval = Interval(self.device)
+        self._detections = DetectionAudit()
 
         self.path = Path(run_dir)
         self.run_id = self.config.run.id or self.path.name
         self.run_dir: RunDirectory | None = None
         self.checkpoints: CheckpointStore | None = None
         self.control: ControlServer | None = None
-        self._display: ProgressDisplay | None = None
+        self.sinks: list[Sink] = []
         self._group = control_group()
-        self.commands = CommandRunner(self)
         self.telemetry: Telemetry | None = None
-        self._skipped = torch.zeros((), device=self.device)
-        self._can_skip = _skips_on_device(optimizer, scaler)
+        self._can_skip = skips_on_device(optimizer, scaler)
         if self.config.telemetry.enabled:
             self.telemetry = Telemetry(
                 self.config,
@@ -200,37 +126,31 @@ class Guard:
             )
             for signal_name, detector in self.telemetry.detectors.items():
                 self.state[f"{DETECTOR_STATE}{signal_name}"] = detector
-        self.wandb: Any = None
         if self.rank == 0:
-            continuing = (self.path / "config.yaml").exists()
-            self.run_dir = RunDirectory(self.path)
-            self.control = self._start_control()  # these fail before any file is written
-            if self.config.wandb.enabled:
-                from .wandb_logger import WandbLogger
-
-                self.wandb = WandbLogger(
-                    self.config.wandb,
-                    run_id=self.run_id,
-                    run_dir=self.path,
-                    config=self.config.resolved(),
-                    resume=continuing,
-                )
-            self.run_dir.write_config(self.config.resolved())
-            self.run_dir.write_env(device_description(self.device), self.world_size)
-            self.checkpoints = CheckpointStore(
-                self.path / "checkpoints",
-                keep_last=self.config.checkpoint.keep_last,
-                config_hash=self.config.digest(),
-                versions=package_versions(),
-            )
-            self.run_dir.write_discovery(
-                run_id=self.run_id,
-                socket_path=self.control.socket_path if self.control else None,
-                metrics_urls=self.telemetry.urls if self.telemetry else [],
-                world_size=self.world_size,
-            )
-            if progress:
-                self._display = make_progress(self.max_steps, self.step)
+            self._open_run_directory(progress)
+        self.recovery = Recovery(
+            self.state,
+            self.progress,
+            store=self.checkpoints,
+            group=self._group,
+            rank=self.rank,
+            world_size=self.world_size,
+            async_save=self.config.checkpoint.async_save,
+            telemetry=self.telemetry,
+            healthy_now=self._healthy_now,
+            on_restored=self._restored,
+            event=self.event,
+        )
+        self.commands = CommandRunner(
+            self,
+            control=self.control,
+            store=self.checkpoints,
+            telemetry=self.telemetry,
+            group=self._group,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        if self.rank == 0:
             self.event(
                 "start",
                 pid=os.getpid(),
@@ -238,7 +158,67 @@ class Guard:
                 control_socket=str(self.control.socket_path) if self.control else None,
                 control_tcp=self.control.tcp_address if self.control else None,
             )
-        self._install_signal_handlers()
+        self.signals.install()
+
+    def _open_run_directory(self, progress: bool) -> None:
+        """Rank 0: the run directory, the control server, the sinks and ``agent.json``."""
+        continuing = (self.path / "config.yaml").exists()
+        self.run_dir = RunDirectory(self.path)
+        # these fail before any file is written
+        self.control = serve_control(self.config.control, self.path, self._record_rejected)
+        self.sinks.append(MetricsLogSink(self.run_dir.metrics))
+        if self.config.wandb.enabled:
+            from lossguard.agent.telemetry.wandb_logger import WandbLogger
+
+            wandb = WandbLogger(
+                self.config.wandb,
+                run_id=self.run_id,
+                run_dir=self.path,
+                config=self.config.resolved(),
+                resume=continuing,
+            )
+            self.sinks.append(WandbSink(wandb))
+        self.run_dir.write_config(self.config.resolved())
+        self.run_dir.write_env(device_description(self.device), self.world_size)
+        self.checkpoints = CheckpointStore(
+            self.path / "checkpoints",
+            keep_last=self.config.checkpoint.keep_last,
+            config_hash=self.config.digest(),
+            versions=package_versions(),
+        )
+        self.run_dir.write_discovery(
+            run_id=self.run_id,
+            socket_path=self.control.socket_path if self.control else None,
+            metrics_urls=self.telemetry.urls if self.telemetry else [],
+            world_size=self.world_size,
+        )
+        if progress:
+            self.sinks.append(DisplaySink(make_progress(self.max_steps, self.step)))
+
+    # ----------------------------------------------------------------- where training stands
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.progress.step
+
+    @property
+    def tokens_total(self) -> int:
+        """Tokens trained on, all ranks, as of the last log interval."""
+        return self.progress.tokens
+
+    @property
+    def lr_scale(self) -> float:
+        return self.progress.lr_scale
+
+    @property
+    def stop_requested(self) -> bool:
+        """The loop should end: stopped by a command or signal, or a restore failed halfway
+        (its state is a mix of two checkpoints and must not train on)."""
+        return self._stop or self.recovery.state_mixed
+
+    def request_stop(self) -> None:
+        self._stop = True
 
     # ----------------------------------------------------------------- the per-step API
 
@@ -251,7 +231,7 @@ class Guard:
             yield
         finally:
             spent = time.perf_counter() - start
-            self._interval_start += spent
+            self.interval.exclude(spent)
             if self.telemetry is not None:
                 self.telemetry.exclude(spent)
 
@@ -260,16 +240,6 @@ class Guard:
         if name in self.state:
             raise ValueError(f"state {name!r} is already registered")
         self.state[name] = obj
-
-    def _reset_interval(self) -> None:
-        zero = torch.zeros((), device=self.device)
-        self._loss_sum = zero.clone()
-        self._grad_norm_last = zero.clone()
-        self._grad_norm_max = zero.clone()
-        self._interval_steps = 0
-        self._interval_tokens = 0
-        self._interval_start = time.perf_counter()
-        self._pending_tokens = 0
 
     def after_backward(self, loss: torch.Tensor, *, tokens: int) -> torch.Tensor:
         """Record the step's loss and tokens; compute (and clip to ``train.grad_clip``) the
@@ -290,22 +260,17 @@ class Guard:
             # so every replica skips the same steps (a rank's own loss is counted, not acted on).
             norm_bad = self.telemetry.on_step(loss, norm)
             if self.scaler is not None:
-                self._skipped += norm_bad  # the GradScaler skips these steps itself
+                self.interval.skipped += norm_bad  # the GradScaler skips these steps itself
             elif self._can_skip and self.config.telemetry.skip_nonfinite:
                 self.optimizer.found_inf = norm_bad.float()  # type: ignore[union-attr]
-                self._skipped += norm_bad
-        self._loss_sum += loss.detach().float()
-        self._grad_norm_last = norm
-        self._grad_norm_max = torch.maximum(self._grad_norm_max, norm)
-        self._pending_tokens = int(tokens)
+                self.interval.skipped += norm_bad
+        self.interval.add(loss, norm, tokens)
         return norm
 
     def end_step(self) -> None:
         """Close the optimizer step; at each log interval, sync once and write the metrics."""
-        self.step += 1
-        self._interval_steps += 1
-        self._interval_tokens += self._pending_tokens
-        self._pending_tokens = 0
+        self.progress.step += 1
+        self.interval.step_done()
         if self.telemetry is not None:
             self.telemetry.step_done(self.step)
             self.telemetry.sampling(self.step + 1)
@@ -323,9 +288,11 @@ class Guard:
             self.save("periodic")
         while True:
             with self.idle() if self.paused else contextlib.nullcontext():
-                commands, signalled = self.commands.gather(wait=self.paused)
+                commands, signalled = self.commands.gather(
+                    wait=self.paused, signalled=self.signals.pending
+                )
             if signalled and not self.stop_requested:
-                self.event("signal", signal=self._signal_name())
+                self.event("signal", signal=self.signals.name)
                 self.commands.stop(reason="signal")
             for request, pending in commands:
                 self.commands.apply(request, pending)
@@ -350,63 +317,40 @@ class Guard:
     # ----------------------------------------------------------------- metrics
 
     def _log_interval(self) -> None:
-        if self._interval_steps == 0:
+        if self.interval.steps == 0:
             return
-        summed = torch.stack(
-            [
-                self._loss_sum,
-                self._grad_norm_last,
-                self._grad_norm_max,
-                torch.tensor(float(self._interval_tokens), device=self.device),
-                self._skipped,
-            ]
-        ).double()
-        parts = [all_reduce_sum(summed)]
-        if self.telemetry is not None:  # flags: the worst rank wins, so every rank agrees
-            parts.append(all_reduce_max_tensor(self.telemetry.stats()))
-        values = torch.cat(parts).tolist()  # the one sync
-        loss_sum, norm_last, norm_max, tokens, skipped = values[:5]
-        elapsed = time.perf_counter() - self._interval_start
-        steps = self._interval_steps
-        self.tokens_total += int(tokens)
-        self.last_train_loss = loss_sum / (steps * self.world_size)
+        stats = self.telemetry.stats() if self.telemetry is not None else None
+        totals = self.interval.read(stats)  # the one sync
+        self.progress.tokens += int(totals.tokens)
+        self.last_train_loss = totals.loss_sum / (totals.steps * self.world_size)
+        elapsed = totals.elapsed
         record: dict[str, Any] = {
             "kind": "train",
             "step": self.step,
             "time": time.time(),
             "train_loss": self.last_train_loss,
-            "grad_norm": norm_last / self.world_size,
-            "grad_norm_max": norm_max / self.world_size,
+            "grad_norm": totals.grad_norm_last / self.world_size,
+            "grad_norm_max": totals.grad_norm_max / self.world_size,
             "lr": self.learning_rate(),
             "tokens": self.tokens_total,
-            "tokens_per_second": tokens / elapsed if elapsed > 0 else 0.0,
-            "step_time_seconds": elapsed / steps,
+            "tokens_per_second": totals.tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_seconds": elapsed / totals.steps,
         }
         data = self.state.get("data")
         if data is not None and hasattr(data, "position"):
             record["data_position"] = int(data.position)
         if self.scaler is not None:
             record["loss_scale"] = float(self.scaler.get_scale())
-        record["skipped_steps"] = int(skipped / self.world_size)
+        record["skipped_steps"] = int(totals.skipped / self.world_size)
         if self.telemetry is not None:
-            self.telemetry.publish(record, values[5:], float(self._interval_tokens), elapsed)
-            self._record_detections(record)
+            self.telemetry.publish(record, totals.stats, float(totals.local_tokens), elapsed)
+            for event, fields in self._detections.new(record):  # the audit trail
+                self.event(event, **fields)
         self._emit(record)
-        self._reset_interval()
-        if not math.isfinite(loss_sum) and not self._nonfinite_checkpoint_taken:
+        self.interval.reset()
+        if not math.isfinite(totals.loss_sum) and not self._nonfinite_checkpoint_taken:
             self._nonfinite_checkpoint_taken = True  # kept for post-mortem, marked unhealthy
             self.save("nonfinite", healthy=False)
-
-    def _record_detections(self, record: dict[str, Any]) -> None:
-        """Audit trail: a spike episode or a non-finite value seen in this interval."""
-        for signal_name in SIGNALS:
-            for event, counter in (("spike", "spikes_total"), ("nonfinite", "nonfinite_total")):
-                key = f"{signal_name}_{counter}"
-                total, seen = record[key], self._seen_totals.get(key, 0)
-                if total > seen:
-                    zscore = record[f"{signal_name}_zscore"]
-                    self.event(event, signal=signal_name, total=total, zscore=zscore)
-                self._seen_totals[key] = total
 
     def learning_rate(self) -> float | None:
         if self.optimizer is None:
@@ -414,14 +358,8 @@ class Guard:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _emit(self, record: dict[str, Any], *, display: bool = True) -> None:
-        if display:
-            self.last_record = record
-        if self.run_dir is not None:
-            self.run_dir.metrics.append(record)
-        if self.wandb is not None:
-            self.wandb.log(record)
-        if display and self._display is not None:
-            self._display.update(record)
+        for sink in self.sinks:
+            sink.write(record, display=display)
 
     def event(self, kind: str, /, **fields: Any) -> None:
         """Append to the audit trail, events.jsonl (rank 0)."""
@@ -429,30 +367,33 @@ class Guard:
             record = {"time": time.time(), "step": self.step, "event": kind, **fields}
             self.run_dir.events.append(record)
 
-    # ----------------------------------------------------------------- checkpoints
+    # ----------------------------------------------------------------- checkpoints and control
+
+    def status(self) -> dict[str, Any]:
+        """Where training stands, as the ``status`` command answers it."""
+        return {
+            "run_id": self.run_id,
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "tokens": self.tokens_total,
+            "paused": self.paused,
+            "stopping": self.stop_requested,
+            "lr": self.learning_rate(),
+            "lr_scale": self.lr_scale,
+            "last_train_loss": self.last_train_loss,
+            "last_val_loss": self.last_val[1] if self.last_val else None,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "uptime_seconds": time.time() - self.started_at,
+        }
 
     def _healthy_now(self) -> bool:
         """This rank: false inside a spike episode, or when the current interval or the last
         logged one saw a non-finite loss (DESIGN.md ``last_good``)."""
-        interval_finite = bool(torch.isfinite(self._loss_sum).item())
+        interval_finite = self.interval.finite()
         last = self.last_train_loss
         in_episode = self.telemetry is not None and self.telemetry.episode_active()
         return interval_finite and (last is None or math.isfinite(last)) and not in_episode
-
-    def _checkpoint_payload(self) -> tuple[dict[str, Any], bool]:
-        """Everything a bit-exact resume needs, and whether every rank is healthy now.
-        Collective under torchrun: the RNG states and health of all ranks are gathered."""
-        gathered = all_gather_objects((capture_rng(), self._healthy_now()), self._group)
-        payload = {
-            "format": CHECKPOINT_FORMAT,
-            "step": self.step,
-            "tokens": self.tokens_total,
-            "lr_scale": self.lr_scale,
-            "world_size": self.world_size,
-            "rng": [rng for rng, _ in gathered],
-            "state": {name: obj.state_dict() for name, obj in self.state.items()},
-        }
-        return payload, all(healthy for _, healthy in gathered)
 
     def save(
         self,
@@ -460,129 +401,39 @@ class Guard:
         *,
         healthy: bool | None = None,
         wait: bool = False,
-        on_done: Callable[[CheckpointMeta | BaseException], None] | None = None,
+        on_done: OnSaved | None = None,
     ) -> None:
         """Checkpoint now (rank 0 writes). Async unless ``checkpoint.async`` is off or ``wait``;
         ``on_done`` gets the meta or the error once the checkpoint is on disk."""
-        if self._state_mixed:
-            log.error("not saving: a failed restore left the state mixed")
-            return
-        payload, all_healthy = self._checkpoint_payload()
-        self._last_saved_step = self.step  # on every rank: finish() must agree on the collective
-        if self.checkpoints is None:
-            return
-        store = self.checkpoints
-        healthy = all_healthy if healthy is None else healthy
         val = self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
-        meta_fields: dict[str, Any] = {
-            "tokens": self.tokens_total,
-            "healthy": healthy,
-            "reason": reason,
-            "train_loss": self.last_train_loss,
-            "val_loss": val,
-        }
-        store.wait()  # at most one save in flight; its end must not clear this one's gauge
-        started = time.perf_counter()
-        if self.telemetry is not None:
-            self.telemetry.checkpoint_started()
-
-        def finished(result: CheckpointMeta | BaseException) -> None:
-            failed = isinstance(result, BaseException)
-            seconds = time.perf_counter() - started
-            if self.telemetry is not None:
-                self.telemetry.checkpoint_finished(None if failed else seconds, store.named())
-            if isinstance(result, BaseException):
-                log.error("checkpoint at step %d failed: %s", payload["step"], result)
-                self.event("checkpoint_failed", reason=reason, error=str(result))
-            else:
-                self.event(
-                    "checkpoint",
-                    name=result.name,
-                    reason=reason,
-                    seconds=seconds,
-                    healthy=result.healthy,
-                    checkpoint_step=result.step,
-                )
-            if on_done is not None:
-                on_done(result)
-
-        if self.config.checkpoint.async_save and not wait:
-            store.save_async(self.step, snapshot(payload), on_done=finished, **meta_fields)
-            return
-        try:
-            meta = store.save(self.step, payload, **meta_fields)
-        except Exception as exc:  # a failed save must not stop training
-            finished(exc)
-            return
-        finished(meta)
+        self.recovery.save(
+            reason,
+            healthy=healthy,
+            train_loss=self.last_train_loss,
+            val_loss=val,
+            wait=wait,
+            on_done=on_done,
+        )
 
     def restore(self, target: Target, *, skip_batches: int = 0) -> dict[str, Any]:
         """Load a checkpoint into every registered state on every rank; then skip batches.
         Returns what was restored: checkpoint name and step. A checkpoint that cannot be
         loaded raises RestoreError and changes nothing; one that fails halfway through being
         applied stops training (its state would be a mix)."""
-        data = self.state.get("data")
-        if skip_batches and (data is None or not hasattr(data, "skip")):
-            raise RestoreError("skip_batches needs registered data with a skip() method")
-        loaded: list[Any] = [None]
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
-            try:
-                meta, payload = self.checkpoints.load(target)
-                loaded = [{"meta": meta, "payload": payload}]
-            except Exception as exc:
-                loaded = [f"{exc}"]
-        loaded = broadcast_objects(loaded, self._group)
-        if isinstance(loaded[0], str):
-            raise RestoreError(loaded[0], not_found=True)
-        meta, payload = loaded[0]["meta"], loaded[0]["payload"]
-        missing = sorted(n for n in set(self.state) - set(payload["state"]) if not _optional(n))
-        if missing:
-            raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
-        failure: Exception | None = None
-        try:
-            self._apply_payload(payload)
-        except Exception as exc:
-            failure = exc
-        if all_reduce_max([int(failure is not None)], self._group)[0]:  # every rank agrees
-            self.stop_requested = True
-            self._state_mixed = True  # never save this state
-            why = failure or "on another rank"
-            raise RestoreError(
-                f"{meta.name} failed halfway ({why}); training stops to protect the run"
-            ) from failure
-        if skip_batches:
-            data.skip(skip_batches)  # type: ignore[union-attr]
+        meta = self.recovery.restore(target, skip_batches=skip_batches)
+        return {"checkpoint": meta.name, "step": self.step}
+
+    def rollback(self, target: Target, *, skip_batches: int, lr_scale: float) -> dict[str, Any]:
+        """Restore ``target``, skip batches and scale the learning rate (``rollback`` command)."""
+        return self.recovery.rollback(target, skip_batches=skip_batches, lr_scale=lr_scale)
+
+    def _restored(self, meta: CheckpointMeta) -> None:
+        """After a restore: this boundary's bookkeeping is the checkpoint's."""
         self.last_train_loss = meta.train_loss
         self.last_val = (meta.step, meta.val_loss) if meta.val_loss is not None else None
         self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
-        if self.checkpoints is not None:  # later checkpoints belong to the timeline we left
-            left = self.checkpoints.supersede_after(meta)
-            if left:
-                self.event("superseded", checkpoints=left, restored=meta.name)
-            if self.telemetry is not None:
-                self.telemetry.checkpoint_finished(None, self.checkpoints.named())
-        return {"checkpoint": meta.name, "step": int(payload["step"])}
-
-    def _apply_payload(self, payload: dict[str, Any]) -> None:
-        """Optional state (detectors) first and forgivingly, then the training state."""
-        for name, obj in sorted(self.state.items(), key=lambda item: not _optional(item[0])):
-            saved = payload["state"].get(name)
-            if not _optional(name):
-                obj.load_state_dict(saved)
-                continue
-            try:
-                obj.load_state_dict(saved)
-            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-                log.warning("%s not restored (%s): it starts afresh", name, exc or "absent")
-        rng = payload["rng"]
-        restore_rng(rng[self.rank] if len(rng) == self.world_size else rng[0])
-        self.step = int(payload["step"])
-        self.tokens_total = int(payload["tokens"])
-        self.lr_scale = float(payload["lr_scale"])
-        self._last_saved_step = self.step
         self._save_due = False
-        self._reset_interval()
+        self.interval.reset()
         if self.telemetry is not None:  # counters count on from the restored totals
             self.telemetry.resync_totals()
 
@@ -594,86 +445,35 @@ class Guard:
 
     def set_lr_scale(self, scale: float) -> None:
         """Multiply the learning rate by ``scale`` relative to the schedule, from now on."""
-        ratio = scale / self.lr_scale
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] *= ratio
-        base_lrs = getattr(self.scheduler, "base_lrs", None)
-        if base_lrs is not None:
-            self.scheduler.base_lrs = [b * ratio for b in base_lrs]  # type: ignore[union-attr]
-        self.lr_scale = scale
+        self.recovery.set_lr_scale(scale)
 
     def finish(self) -> None:
         """Training ended normally: save the final state (``checkpoint.save_on_exit``)."""
-        if self.config.checkpoint.save_on_exit and self._last_saved_step != self.step:
+        saved = self.recovery.last_saved_step
+        if self.config.checkpoint.save_on_exit and saved != self.step:
             self.save("final", wait=True)
 
-    # ----------------------------------------------------------------- control and signals
-
-    def _start_control(self) -> ControlServer | None:
-        cfg = self.config.control
-        if not cfg.socket and cfg.tcp is None:
-            return None
-        tcp = None
-        if cfg.tcp is not None:
-            host, _, port = cfg.tcp.rpartition(":")
-            tcp = (host, int(port))
-        try:
-            server = ControlServer(
-                socket_path=self.path / SOCKET_NAME if cfg.socket else None,
-                tcp=tcp,
-                token=os.environ.get(cfg.token_env) if tcp else None,
-                on_reject=self._record_rejected,
-            )
-        except ListenError as exc:
-            raise ConfigError(f"control.{exc.endpoint}: {exc}") from None
-        server.start()
-        return server
-
-    def _record_rejected(self, request_id: str | None, code: Any, message: str) -> None:
+    def _record_rejected(self, request_id: str | None, code: ErrorCode, message: str) -> None:
         if request_id is not None:  # a command we could identify; garbage lines are not events
             self.event(
                 "command", id=request_id, ok=False, error={"code": code.value, "message": message}
             )
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in STOP_SIGNALS:
-            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """First SIGTERM/SIGINT: save and stop at the next boundary; a second one: default."""
-        self._signal = signum
-        for sig, previous in self._previous_handlers.items():
-            signal.signal(sig, previous)
-
-    def _signal_name(self) -> str | None:
-        return signal.Signals(self._signal).name if self._signal is not None else None
-
-    @property
-    def signal_pending(self) -> bool:
-        return self._signal is not None
 
     def close(self, *, failed: bool = False) -> None:
         """Log the last partial interval, wait for saves, and release everything. After a
         failure nothing collective runs (the other ranks may be elsewhere)."""
         if not failed:
             self._log_interval()
-        for signum, previous in self._previous_handlers.items():
-            if signal.getsignal(signum) == self._on_signal:
-                signal.signal(signum, previous)
+        self.signals.uninstall()
         if self.checkpoints is not None:
             self.checkpoints.wait()
         if self.control is not None:
             self.control.close()
         if self.telemetry is not None:
             self.telemetry.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        if self._display is not None:
-            self._display.close()
-            self._display = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         if self.run_dir is not None:
             self.event("close", stop_requested=self.stop_requested)
             self.run_dir.mark_finished(

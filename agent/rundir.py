@@ -1,4 +1,5 @@
-"""The run directory: resolved config, environment record and the metrics log."""
+"""The run directory: resolved config, environment record, ``agent.json``, the metrics log and
+the audit trail."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from typing import IO, Any
 
 import yaml
 
-from . import __version__
+from lossguard.common import __version__
+from lossguard.common.agent_file import AGENT_FILE, AgentInfo, RunExit
 
 RECORDED_PACKAGES = ("torch", "torchao", "numpy", "pydantic", "prometheus-client", "nvidia-ml-py")
 
@@ -118,28 +120,26 @@ class RunDirectory:
         world_size: int,
     ) -> None:
         """``agent.json``: how a monitor finds this run and its ranks' exporters."""
-        info = {
-            "run_id": run_id,
-            "pid": os.getpid(),
-            "hostname": socket.gethostname(),
-            "metrics_url": metrics_urls[0] if metrics_urls else None,
-            "metrics_urls": metrics_urls,
-            "socket": str(socket_path) if socket_path is not None else None,
-            "world_size": world_size,
-            "started_at": time.time(),
-            "version": __version__,
-        }
-        write_atomically(self.path / "agent.json", json.dumps(info, indent=2) + "\n")
+        info = AgentInfo(
+            run_id=run_id,
+            metrics_urls=tuple(metrics_urls),
+            socket=str(socket_path) if socket_path is not None else None,
+            started_at=time.time(),
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            world_size=world_size,
+            version=__version__,
+        )
+        write_atomically(self.path / AGENT_FILE, info.to_json())
 
-    def mark_finished(self, exit: str) -> None:
+    def mark_finished(self, exit: RunExit) -> None:
         """Record in ``agent.json`` how the run ended (completed, stopped or failed), so a
         monitor stops watching a run that ended on purpose and keeps watching one that did not."""
-        path = self.path / "agent.json"
+        path = self.path / AGENT_FILE
         if not path.exists():
             return
-        info = json.loads(path.read_text())
-        info.update(finished_at=time.time(), exit=exit)
-        write_atomically(path, json.dumps(info, indent=2) + "\n")
+        info = AgentInfo.parse(path.read_bytes()).finished(exit, at=time.time())
+        write_atomically(path, info.to_json())
 
     def close(self) -> None:
         self.metrics.close()

@@ -3,4 +3,6 @@
 The monitor never imports torch.
 """
 
-__version__ = "0.1.0"
+from lossguard.common import __version__
+
+__all__ = ["__version__"]

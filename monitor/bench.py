@@ -29,17 +29,18 @@ from prometheus_client import generate_latest
 from rich.console import Console
 from rich.table import Table
 
-from lossguard.agent.metrics import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS, AgentMetrics
+from lossguard.agent.telemetry.registry import AgentMetrics
+from lossguard.common.catalogue import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS
 from lossguard.monitor.daemon import RETENTION_MARGIN_S
 from lossguard.monitor.promql import Value
-from lossguard.monitor.rules import (
+from lossguard.monitor.rules.rulefile import (
     AlertingRule,
     RuleError,
     load_rule_files,
     longest_range_s,
     metric_names,
 )
-from lossguard.monitor.ruleset import RuleSet, Schedule
+from lossguard.monitor.rules.ruleset import RuleSet, Schedule
 from lossguard.monitor.sources.scrape import ScrapeSource
 from lossguard.monitor.validation import seconds
 

@@ -13,18 +13,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lossguard.agent.cli import add_override_option
-from lossguard.agent.config import ConfigError
-from lossguard.agent.progress import setup_logging
-from lossguard.monitor.rules import RuleError, load_rule_file
+from lossguard.common.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_override_option
+from lossguard.common.config import ConfigError
+from lossguard.common.console import setup_logging
+from lossguard.monitor.rules.rulefile import RuleError, load_rule_file
 from lossguard.monitor.state import StateError, StateStore
 
 if TYPE_CHECKING:
     from lossguard.monitor.notify.silences import Silence
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return status(args.config, args.json)
         if args.rules_command == "check":
             return check_rules(args.files)
-        from lossguard.monitor.ruletest import run_test_files
+        from lossguard.monitor.rules.ruletest import run_test_files
 
         return run_test_files(args.files)
     except ConfigError as exc:

@@ -7,16 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from lossguard.agent.config import (
-    ConfigError,
-    Section,
-    apply_overrides,
-    describe_validation_error,
-    field_error,
-    read_config_file,
-)
+from lossguard.common.config import ConfigError, Section, field_error, read_config_file, validate
 from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.validation import http_url, seconds
 
@@ -110,11 +103,7 @@ def load_monitor_config(
     path: str | Path, overrides: list[str] | tuple[str, ...] = ()
 ) -> MonitorConfig:
     """Read and validate ``monitor.yml``; relative paths are resolved against its folder."""
-    data = apply_overrides(read_config_file(path), overrides)
-    try:
-        config = MonitorConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc)) from None
+    config = validate(MonitorConfig, read_config_file(path), overrides)
     _check_notifications(config.notifications)
     base = Path(path).resolve().parent
     config.rules.files = [base / f for f in config.rules.files]

@@ -12,16 +12,17 @@ import time
 from types import FrameType
 from typing import Any
 
-from lossguard.monitor.alerting import AlertState, Transition, TransitionKind
+from lossguard.monitor.api import MonitorServer
 from lossguard.monitor.config import MonitorConfig
-from lossguard.monitor.metrics import MonitorMetrics, MonitorServer
+from lossguard.monitor.metrics import MonitorMetrics
 from lossguard.monitor.notify.config import read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
 from lossguard.monitor.notify.dispatcher import Dispatcher
 from lossguard.monitor.notify.facts import FACT_METRICS, RunFacts
 from lossguard.monitor.notify.integrations import build_integrations
 from lossguard.monitor.promql import Value
-from lossguard.monitor.rules import (
+from lossguard.monitor.rules.alerting import AlertState, Transition, TransitionKind
+from lossguard.monitor.rules.rulefile import (
     AlertingRule,
     RuleError,
     RuleGroup,
@@ -29,7 +30,7 @@ from lossguard.monitor.rules import (
     longest_range_s,
     metric_names,
 )
-from lossguard.monitor.ruleset import RuleSet, Schedule
+from lossguard.monitor.rules.ruleset import RuleSet, Schedule
 from lossguard.monitor.sources import Source
 from lossguard.monitor.sources.prometheus import PrometheusSource
 from lossguard.monitor.sources.scrape import ScrapeSource

@@ -1,101 +1,100 @@
-"""The monitor's own metrics (the ``lossguard_monitor_*`` part of the catalogue) and the HTTP
-endpoint that serves them with ``/healthz``."""
+"""The monitor's own metrics, the ``lossguard_monitor_*`` series, declared once in
+:data:`CATALOGUE` and registered by :class:`MonitorMetrics`. ``lossguard.monitor.api`` serves
+them on ``/metrics``."""
 
 from __future__ import annotations
 
-import json
-import threading
-from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterable
+from typing import TypeVar
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     ProcessCollector,
     disable_created_metrics,
-    generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
-from lossguard.agent.config import ConfigError
-from lossguard.monitor.alerting import RuleAlerts
 from lossguard.monitor.notify.model import Notification
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore
+from lossguard.monitor.rules.alerting import RuleAlerts
 from lossguard.monitor.sources import TargetStatus
 
+PREFIX = "lossguard_monitor_"
 EVAL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 ALERT_STATES = ("pending", "firing")
 
-Health = Callable[[], tuple[bool, dict[str, object]]]
-Status = Callable[[], dict[str, object]]
+# name (without prefix) -> (type, help, label names); dashboards and tests read these names.
+CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "alerts": ("gauge", "Active alerts by state.", ("alertname", "state")),
+    "target_up": ("gauge", "1 if the last scrape succeeded.", ("target",)),
+    "rule_evaluation_duration_seconds": ("histogram", "Wall time of one rule's evaluation.", ()),
+    "rule_evaluation_failures": ("counter", "Rule evaluations that failed.", ("alertname",)),
+    "alert_transitions": ("counter", "Alert state changes recorded.", ("alertname", "kind")),
+    "rules_loaded": ("gauge", "Alerting rules currently loaded.", ()),
+    "config_last_reload_successful": ("gauge", "1 if the last rules (re)load succeeded.", ()),
+    "config_last_reload_success_timestamp_seconds": (
+        "gauge",
+        "Wall time of the last successful rules (re)load.",
+        (),
+    ),
+    "notifications": (
+        "counter",
+        "Delivery attempts by result: delivered, retry (failed, will be retried), dead.",
+        ("receiver", "integration", "result"),
+    ),
+    "outbox_pending": ("gauge", "Notifications waiting for delivery.", ()),
+    "outbox_dead_letters": (
+        "gauge",
+        "Notifications that failed for good (lossguard-monitor status lists them).",
+        (),
+    ),
+}
+BUCKETS = {"rule_evaluation_duration_seconds": EVAL_BUCKETS}
+KINDS: dict[str, type[Counter] | type[Gauge]] = {"counter": Counter, "gauge": Gauge}
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 
 class MonitorMetrics:
-    """The monitor's series on a private registry."""
+    """The catalogue (and the process collector) on a private registry."""
 
     def __init__(self) -> None:
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.alerts = Gauge(
-            "lossguard_monitor_alerts",
-            "Active alerts by state.",
-            ["alertname", "state"],
-            registry=r,
-        )
-        self.target_up = Gauge(
-            "lossguard_monitor_target_up", "1 if the last scrape succeeded.", ["target"], registry=r
-        )
-        self.evaluation = Histogram(
-            "lossguard_monitor_rule_evaluation_duration_seconds",
-            "Wall time of one rule's evaluation.",
-            buckets=EVAL_BUCKETS,
-            registry=r,
-        )
-        self.evaluation_failures = Counter(
-            "lossguard_monitor_rule_evaluation_failures",
-            "Rule evaluations that failed.",
-            ["alertname"],
-            registry=r,
-        )
-        self.transitions = Counter(
-            "lossguard_monitor_alert_transitions",
-            "Alert state changes recorded.",
-            ["alertname", "kind"],
-            registry=r,
-        )
-        self.rules_loaded = Gauge(
-            "lossguard_monitor_rules_loaded", "Alerting rules currently loaded.", registry=r
-        )
-        self.reload_success = Gauge(
-            "lossguard_monitor_config_last_reload_successful",
-            "1 if the last rules (re)load succeeded.",
-            registry=r,
-        )
-        self.reload_timestamp = Gauge(
-            "lossguard_monitor_config_last_reload_success_timestamp_seconds",
-            "Wall time of the last successful rules (re)load.",
-            registry=r,
-        )
-        self.notifications = Counter(
-            "lossguard_monitor_notifications",
-            "Delivery attempts by result: delivered, retry (failed, will be retried), dead.",
-            ["receiver", "integration", "result"],
-            registry=r,
-        )
-        self.outbox_pending = Gauge(
-            "lossguard_monitor_outbox_pending", "Notifications waiting for delivery.", registry=r
-        )
-        self.dead_letters = Gauge(
-            "lossguard_monitor_outbox_dead_letters",
-            "Notifications that failed for good (lossguard-monitor status lists them).",
-            registry=r,
-        )
-        ProcessCollector(registry=r)
+        self._metrics = {name: self._register(name, *entry) for name, entry in CATALOGUE.items()}
+        ProcessCollector(registry=self.registry)
+        self.alerts = self.metric(Gauge, "alerts")
+        self.target_up = self.metric(Gauge, "target_up")
+        self.evaluation = self.metric(Histogram, "rule_evaluation_duration_seconds")
+        self.evaluation_failures = self.metric(Counter, "rule_evaluation_failures")
+        self.transitions = self.metric(Counter, "alert_transitions")
+        self.rules_loaded = self.metric(Gauge, "rules_loaded")
+        self.reload_success = self.metric(Gauge, "config_last_reload_successful")
+        self.reload_timestamp = self.metric(Gauge, "config_last_reload_success_timestamp_seconds")
+        self.notifications = self.metric(Counter, "notifications")
+        self.outbox_pending = self.metric(Gauge, "outbox_pending")
+        self.dead_letters = self.metric(Gauge, "outbox_dead_letters")
         self._seen_alerts: set[tuple[str, str]] = set()
         self._seen_targets: set[str] = set()
+
+    def _register(
+        self, name: str, kind: str, doc: str, labels: tuple[str, ...]
+    ) -> MetricWrapperBase:
+        if kind == "histogram":
+            return Histogram(
+                PREFIX + name, doc, labels, registry=self.registry, buckets=BUCKETS[name]
+            )
+        return KINDS[kind](PREFIX + name, doc, labels, registry=self.registry)
+
+    def metric(self, kind: type[M], name: str) -> M:
+        """The catalogue metric ``name`` (without prefix), checked to be a ``kind``."""
+        metric = self._metrics[name]
+        if not isinstance(metric, kind):
+            raise TypeError(f"{PREFIX}{name} is a {type(metric).__name__}, not a {kind.__name__}")
+        return metric
 
     def update_alerts(self, rules: Iterable[RuleAlerts]) -> None:
         """Set ``alerts{alertname,state}`` from the rules' active alerts (0 once they end)."""
@@ -127,65 +126,3 @@ class MonitorMetrics:
         for url, target in current.items():
             self.target_up.labels(url).set(1 if target.up else 0)
         self._seen_targets = set(current)
-
-
-class MonitorServer:
-    """``/metrics``, ``/healthz`` and ``/api/status`` (what ``lossguard-monitor status`` shows of
-    the running daemon) on a daemon thread."""
-
-    def __init__(
-        self, registry: CollectorRegistry, health: Health, status: Status, host: str, port: int
-    ) -> None:
-        handler = _handler(registry, health, status)
-        try:
-            self._server = ThreadingHTTPServer((host, port), handler)
-        except OSError as exc:
-            raise ConfigError(
-                f"listen.port: cannot serve on {host}:{port} ({exc.strerror}); "
-                "is another monitor running? set listen.port=0 for any free port"
-            ) from None
-        self._server.daemon_threads = True
-        self.host, self.port = host, int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="monitor-http", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-def _handler(
-    registry: CollectorRegistry, health: Health, status: Status
-) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
-            elif path == "/healthz":
-                healthy, detail = health()
-                body = json.dumps({"healthy": healthy, **detail}).encode() + b"\n"
-                self._reply(200 if healthy else 503, "application/json", body)
-            elif path == "/api/status":
-                body = json.dumps(status()).encode() + b"\n"
-                self._reply(200, "application/json", body)
-            else:
-                self._reply(404, "text/plain", b"not found: try /metrics or /healthz\n")
-
-        def _reply(self, status: int, content_type: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            """Quiet: scrapes every second would flood the log."""
-
-    return Handler

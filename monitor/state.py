@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lossguard.monitor.alerting import Alert, AlertState, Transition, TransitionKind
+from lossguard.monitor.rules.alerting import Alert, AlertState, Transition, TransitionKind
 
 SCHEMA_VERSION = 1
 _SCHEMA = """

@@ -10,9 +10,9 @@ from typing import Any
 
 import requests
 
-from lossguard.monitor.alerting import AlertState
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore, OutboxEntry
+from lossguard.monitor.rules.alerting import AlertState
 from lossguard.monitor.state import StateStore, value_text
 
 LISTED = 20  # pending notifications and dead letters shown

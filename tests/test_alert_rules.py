@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from lossguard.monitor.promql import check
-from lossguard.monitor.templating import check_template
+from lossguard.monitor.rules.templating import check_template
 from tests.conftest import monitor_cli
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossguard.monitor.alerting import (
+from lossguard.monitor.promql import Sample, make_labels
+from lossguard.monitor.rules.alerting import (
     AlertState,
     EvaluationFailed,
     RuleAlerts,
     TransitionKind,
     fingerprint,
 )
-from lossguard.monitor.promql import Sample, make_labels
-from lossguard.monitor.rules import RuleGroup, parse_rule_file
-from lossguard.monitor.ruleset import RuleSet
+from lossguard.monitor.rules.rulefile import RuleGroup, parse_rule_file
+from lossguard.monitor.rules.ruleset import RuleSet
 from lossguard.monitor.state import StateError, StateStore
 
 RULES = """

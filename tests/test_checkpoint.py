@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import torch
 
-from lossguard.agent.checkpoint import (
+from lossguard.agent.checkpoint.meta import (
     META_FILE,
     STATE_FILE,
     CheckpointError,
     CheckpointMeta,
-    CheckpointStore,
     checkpoint_name,
-    snapshot,
 )
+from lossguard.agent.checkpoint.snapshot import snapshot
+from lossguard.agent.checkpoint.store import CheckpointStore
 
 LOGGER = "lossguard.agent.checkpoint"
 META_FIELDS = {
@@ -202,7 +202,7 @@ CHILD = """
 import sys
 from pathlib import Path
 import torch
-from lossguard.agent.checkpoint import CheckpointStore
+from lossguard.agent.checkpoint.store import CheckpointStore
 
 store = CheckpointStore(Path(sys.argv[1]), keep_last=2)
 step = int(sys.argv[2])

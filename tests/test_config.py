@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lossguard.agent.config import Config, ConfigError, load_config, parse_config
+from lossguard.agent.config import Config, load_config, parse_config
+from lossguard.common.config import ConfigError
 
 from .conftest import REPO, run_cli
 
@@ -119,7 +120,7 @@ def test_cli_bad_config_is_one_line_and_exit_2(
 
 def test_torch_free_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, lossguard.agent, lossguard.agent.config, lossguard.agent.data, "
+        "import sys, lossguard.agent, lossguard.agent.config, lossguard.agent.train.data, "
         "lossguard.agent.cli, lossguard.monitor\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

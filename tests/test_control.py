@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lossguard.agent.control_client import ControlClient, ControlError
-from lossguard.agent.protocol import MAX_LINE_BYTES
+from lossguard.common.control_client import ControlClient, ControlError
+from lossguard.common.protocol import MAX_LINE_BYTES
 
 from .conftest import events, start_agent, tiny_settings, wait_for, write_config
 
@@ -237,7 +237,7 @@ def test_oversized_half_closed_slow_and_many_clients(agent: Agent) -> None:
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "lossguard.agent.ctl", *args],
+        [sys.executable, "-m", "lossguard.agent.control.ctl", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -274,7 +274,7 @@ def test_lossguard_ctl_drives_a_live_run(agent: Agent) -> None:
 
 
 def test_a_reply_with_a_diverged_loss_is_still_json() -> None:
-    from lossguard.agent.protocol import encode, ok_reply
+    from lossguard.common.protocol import encode, ok_reply
 
     line = encode(ok_reply("r", {"last_train_loss": float("nan"), "x": [float("inf"), 1.5]}))
     assert json.loads(line) == {
@@ -285,7 +285,7 @@ def test_a_reply_with_a_diverged_loss_is_still_json() -> None:
 
 
 def test_listen_failures_name_their_endpoint(tmp_path: Path) -> None:
-    from lossguard.agent.control import ControlServer, ListenError
+    from lossguard.agent.control.server import ControlServer, ListenError
 
     with pytest.raises(ListenError, match="longer than 107 bytes") as too_long:
         ControlServer(socket_path=tmp_path / ("x" * 120) / "control.sock")

@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from lossguard.agent.control_client import (
+from lossguard.agent.control.ctl import main
+from lossguard.common.control_client import (
     MAX_REPLY_BYTES,
     ControlClient,
     ControlError,
     ControlTimeout,
     ControlUnavailable,
 )
-from lossguard.agent.ctl import main
-from lossguard.agent.protocol import (
+from lossguard.common.protocol import (
     SOCKET_NAME,
     ErrorCode,
     ProtocolError,
@@ -585,7 +585,7 @@ def test_console_script_is_installed(unix_agent: FakeAgent) -> None:
 
 def test_ctl_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, lossguard.agent.ctl, lossguard.agent.control_client\n"
+        "import sys, lossguard.agent.control.ctl, lossguard.common.control_client\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -13,10 +13,10 @@ import pytest
 
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
 from lossguard.monitor.notify.integrations import Integration
+from lossguard.monitor.notify.integrations.pagerduty import PagerDutyIntegration
+from lossguard.monitor.notify.integrations.slack import SlackIntegration
 from lossguard.monitor.notify.links import Links
 from lossguard.monitor.notify.model import AlertInfo, Notification, Status
-from lossguard.monitor.notify.pagerduty import PagerDutyIntegration
-from lossguard.monitor.notify.slack import SlackIntegration
 from lossguard.monitor.notify.store import DEAD, DELIVERED, PENDING, NotifyStore
 from lossguard.monitor.state import StateStore
 from tests.conftest import wait_for

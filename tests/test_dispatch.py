@@ -9,13 +9,19 @@ from typing import Any
 
 import pytest
 
-from lossguard.monitor.alerting import Alert, AlertState, Transition, TransitionKind, fingerprint
 from lossguard.monitor.notify.config import NotificationsConfig, read_secrets
 from lossguard.monitor.notify.dispatcher import KEEP_S, PRUNE_EVERY_S, Dispatcher
 from lossguard.monitor.notify.integrations import build_integrations
 from lossguard.monitor.notify.model import Notification
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.notify.store import DEAD, DELIVERED, PENDING, NotifyStore
+from lossguard.monitor.rules.alerting import (
+    Alert,
+    AlertState,
+    Transition,
+    TransitionKind,
+    fingerprint,
+)
 from lossguard.monitor.state import StateStore
 
 ENV = {"T_SLACK": "http://127.0.0.1:9/services/T/B/secret", "T_PD": "k" * 32}

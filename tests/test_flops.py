@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from lossguard.agent.config import ModelConfig
-from lossguard.agent.flops import PRECISIONS, flops_per_token, lookup_gpu, matmul_precision
-from lossguard.agent.model import GPT
+from lossguard.agent.telemetry.gpu_peaks import PRECISIONS, lookup_gpu, matmul_precision
+from lossguard.agent.train.flops import flops_per_token
+from lossguard.agent.train.model import GPT
 
 GB = 10**9
 # Device name, total memory as torch reports it, the table row it must resolve to.
@@ -131,6 +132,7 @@ def test_no_fp8_entry_without_fp8_tensor_cores(device_name: str) -> None:
 
 def test_flops_module_is_torch_free() -> None:
     code = (
-        "import sys, lossguard.agent.flops\nassert 'torch' not in sys.modules, 'torch imported'\n"
+        "import sys, lossguard.agent.train.flops, lossguard.agent.telemetry.gpu_peaks\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lossguard.agent.config import GradDiagnosticsConfig
-from lossguard.agent.grad_diagnostics import GradDiagnostics
+from lossguard.agent.telemetry.grad_diagnostics import GradDiagnostics
 
 from .conftest import count_host_reads
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -11,9 +13,10 @@ import torch
 from torch import nn
 
 from lossguard.agent import Guard
-from lossguard.agent.checkpoint import CheckpointStore, is_superseded
+from lossguard.agent.checkpoint.store import CheckpointStore
+from lossguard.agent.checkpoint.targets import is_superseded
 from lossguard.agent.config import Config, parse_config
-from lossguard.agent.guard import RestoreError, weights_digest
+from lossguard.agent.recovery import RestoreError, weights_digest
 
 from .conftest import count_host_reads
 
@@ -218,3 +221,56 @@ def test_weights_digest_covers_zero_dim_buffers() -> None:
     assert tracked is not None and tracked.dim() == 0
     tracked.add_(1)
     assert weights_digest(model) != first
+
+
+def saved_after_three_steps(run_dir: Path) -> tuple[Guard, Path]:
+    """A Guard three steps in, lr scale 0.5, checkpointed at step 3; and that checkpoint."""
+    model, opt = linear_model()
+    cfg = guard_config(train={"max_steps": 10, "log_every": 1})
+    guard = Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False)
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        guard.after_backward(loss, tokens=8)
+        opt.step()
+        opt.zero_grad()
+        guard.end_step()
+    guard.set_lr_scale(0.5)
+    guard.save(wait=True)
+    return guard, run_dir / "checkpoints" / "step_00000003"
+
+
+def rewrite_state(folder: Path, change: Callable[[dict], dict]) -> None:
+    """Replace the checkpoint's state.pt by ``change`` applied to it, hashes kept valid."""
+    state = torch.load(folder / "state.pt", weights_only=True)
+    torch.save(change(state), folder / "state.pt")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["state.pt"] = hashlib.sha256((folder / "state.pt").read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_format_1_checkpoint_still_restores(tmp_path: Path) -> None:
+    """Checkpoints from before the ``progress`` state kept step, tokens and lr scale beside
+    the state; they restore all three."""
+    guard, folder = saved_after_three_steps(tmp_path / "run")
+
+    def format_1(state: dict) -> dict:
+        progress = state["state"].pop("progress")
+        return {**state, "format": 1, **progress}
+
+    rewrite_state(folder, format_1)
+    guard.set_lr_scale(1.0)
+    guard.progress.step, guard.progress.tokens = 7, 56
+    assert guard.restore(3) == {"checkpoint": "step_00000003", "step": 3}
+    assert (guard.step, guard.tokens_total, guard.lr_scale) == (3, 24, 0.5)
+    guard.close()
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path: Path) -> None:
+    guard, folder = saved_after_three_steps(tmp_path / "run")
+    rewrite_state(folder, lambda state: {**state, "format": 99})
+    with pytest.raises(RestoreError, match="checkpoint format 99 is newer than this lossguard"):
+        guard.restore(3)
+    assert guard.step == 3 and not guard.stop_requested
+    guard.close()

@@ -12,8 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from lossguard.agent import hardware
-from lossguard.agent.hardware import Nvml, Peak, measure_cpu_peak, memory_stats, resolve_peak
+from lossguard.agent.telemetry import hardware
+from lossguard.agent.telemetry.hardware import (
+    Nvml,
+    Peak,
+    measure_cpu_peak,
+    memory_stats,
+    resolve_peak,
+)
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
@@ -173,6 +179,15 @@ def test_bench_size_shrinks_for_slow_kernels(monkeypatch: pytest.MonkeyPatch) ->
 def test_measure_cpu_peak_below_the_smallest_bench_size() -> None:
     flops = measure_cpu_peak(torch.float32, size=64, min_seconds=0.05)
     assert 1e7 < flops < 1e14
+
+
+def test_measuring_the_cpu_peak_leaves_the_global_rng_alone() -> None:
+    """How many matrices the benchmark draws depends on the machine's load: drawn from the
+    global RNG, they would change a run's dropout masks and break bit-exact resume."""
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    measure_cpu_peak(torch.float32, size=256, min_seconds=0.05)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 # ---------------------------------------------------------------- memory_stats

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lossguard.agent.config import ConfigError
+from lossguard.common.config import ConfigError
 from lossguard.monitor.notify.config import InhibitRuleConfig
 from lossguard.monitor.notify.inhibit import Inhibitor
 

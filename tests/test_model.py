@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from lossguard.agent.config import ModelConfig, PrecisionConfig
-from lossguard.agent.model import GPT, MLP
-from lossguard.agent.precision import (
+from lossguard.agent.train.model import GPT, MLP
+from lossguard.agent.train.precision import (
     PrecisionError,
     check_fp8_supported,
     convert_to_fp8,

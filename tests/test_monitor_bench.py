@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from lossguard.agent.metrics import CATALOGUE
+from lossguard.common.catalogue import CATALOGUE
 from lossguard.monitor.bench import AgentFleet, results_table, run_benchmark
 from tests.conftest import REPO
 

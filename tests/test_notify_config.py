@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from lossguard.agent.config import ConfigError
+from lossguard.common.config import ConfigError
 from lossguard.monitor.config import load_monitor_config
 from lossguard.monitor.notify.config import read_secrets
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lossguard.agent.config import ModelConfig, TrainConfig
-from lossguard.agent.model import GPT
-from lossguard.agent.optim import WarmupSchedule, build_optimizer, build_scheduler
-from lossguard.agent.trainer import EarlyStopping
+from lossguard.agent.train.model import GPT
+from lossguard.agent.train.optim import WarmupSchedule, build_optimizer, build_scheduler
+from lossguard.agent.train.trainer import EarlyStopping
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings() -> None:
@@ -68,7 +68,7 @@ def test_early_stopping_counts_patience_only_after_warmup() -> None:
 
 
 def test_weight_ema_averages_without_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lossguard.agent.optim import WeightEma
+    from lossguard.agent.train.optim import WeightEma
 
     from .conftest import count_host_reads
 

@@ -6,7 +6,8 @@ import io
 
 from rich.console import Console
 
-from lossguard.agent.progress import LineProgress, LiveProgress, format_duration, logfmt
+from lossguard.agent.telemetry.progress import LineProgress, LiveProgress, logfmt
+from lossguard.common.console import format_duration
 
 TRAIN = {
     "kind": "train",

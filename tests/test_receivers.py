@@ -18,14 +18,22 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lossguard.agent.config import ConfigError
+from lossguard.common.config import ConfigError
 from lossguard.monitor.notify.config import NotificationsConfig
-from lossguard.monitor.notify.console import LogIntegration
-from lossguard.monitor.notify.http import Outcome
+from lossguard.monitor.notify.integrations.http import Outcome
+from lossguard.monitor.notify.integrations.log import LogIntegration
+from lossguard.monitor.notify.integrations.pagerduty import (
+    PagerDutyIntegration,
+    pagerduty_event,
+    severity,
+)
+from lossguard.monitor.notify.integrations.slack import (
+    ALERT_BLOCKS,
+    SlackIntegration,
+    slack_message,
+)
 from lossguard.monitor.notify.links import Links
 from lossguard.monitor.notify.model import AlertInfo, Notification
-from lossguard.monitor.notify.pagerduty import PagerDutyIntegration, pagerduty_event, severity
-from lossguard.monitor.notify.slack import ALERT_BLOCKS, SlackIntegration, slack_message
 from tests.conftest import wait_for
 from tests.fake_receivers import FakePagerDuty, FakeSlack, parse_fault, slack_problem
 

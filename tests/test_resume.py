@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from lossguard.agent.control_client import ControlClient
+from lossguard.common.control_client import ControlClient
 
 from .conftest import (
     events,
@@ -141,7 +141,7 @@ def test_rollback_lr_scale_is_kept(tmp_path: Path, corpus_cache: Path) -> None:
     final = torch.load(
         runs / f"half/checkpoints/step_{STEPS:08d}/state.pt", map_location="cpu", weights_only=True
     )
-    assert final["lr_scale"] == 0.5
+    assert final["state"]["progress"]["lr_scale"] == 0.5
 
 
 def start_long_run(tmp_path: Path, cache: Path) -> tuple[subprocess.Popen[str], Path]:

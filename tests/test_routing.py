@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lossguard.agent.config import ConfigError
+from lossguard.common.config import ConfigError
 from lossguard.monitor.notify.config import RouteConfig
 from lossguard.monitor.notify.matchers import Matcher
 from lossguard.monitor.notify.routing import Route, build_route, label_set_string

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from lossguard.monitor.rules import RuleError, longest_range_s, metric_names, parse_rule_file
+from lossguard.monitor.rules.rulefile import (
+    RuleError,
+    longest_range_s,
+    metric_names,
+    parse_rule_file,
+)
 from tests.conftest import monitor_cli
 
 PROMTOOL = shutil.which("promtool") or "promtool"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossguard.agent.config import SpikeConfig
-from lossguard.agent.spikes import STAT_FIELDS, SpikeDetector
+from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeDetector
 
 from .conftest import count_host_reads
 

@@ -15,10 +15,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lossguard.agent.config import Config, parse_config
-from lossguard.agent.flops import flops_per_token
-from lossguard.agent.metrics import CATALOGUE, NVML_METRICS, exposed_name
-from lossguard.agent.model import GPT
-from lossguard.agent.trainer import Trainer
+from lossguard.agent.train.flops import flops_per_token
+from lossguard.agent.train.model import GPT
+from lossguard.agent.train.trainer import Trainer
+from lossguard.common.catalogue import CATALOGUE, NVML_METRICS, exposed_name
 
 from .conftest import run_cli, start_agent, tiny_settings, wait_for, write_config
 
@@ -106,7 +106,7 @@ def test_live_scrape_has_every_catalogue_metric_and_promtool_is_clean(
 
 
 def _status_request() -> tuple[Any, None]:
-    from lossguard.agent.protocol import Request
+    from lossguard.common.protocol import Request
 
     return Request("t1", "status", {}), None
 

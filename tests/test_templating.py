@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossguard.monitor.templating import TemplateError, check_template, expand
+from lossguard.monitor.rules.templating import TemplateError, check_template, expand
 
 EXTERNAL_LABELS = {"cluster": "lab", "zone": "eu-1"}
 EXTERNAL_URL = "http://monitor.example:9090/prefix"
@@ -232,3 +232,11 @@ def test_unsupported_function_fails_expansion_too() -> None:
 def test_text_without_actions_expands_to_itself(text: str) -> None:
     check_template(text)
     assert expand(text, labels={}, value=0.0) == text
+
+
+def test_printf_of_the_whole_data_prints_it_as_the_dot_does() -> None:
+    """``printf "%v" .`` once recursed without end; it prints the struct as ``{{ . }}``."""
+    labels = {"run_id": "r1"}
+    printed = expand('{{ printf "%v" . }}', labels=labels, value=2.0)
+    assert printed == expand("{{ . }}", labels=labels, value=2.0) == "{map[run_id:r1] map[]  2}"
+    assert expand('{{ printf "%d" . }}', labels=labels, value=2.0).startswith("%!d(")

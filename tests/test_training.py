@@ -14,7 +14,7 @@ import yaml
 from torch import nn
 
 from lossguard.agent.config import Config, load_config
-from lossguard.agent.trainer import FitResult, Trainer
+from lossguard.agent.train.trainer import FitResult, Trainer
 
 from .conftest import REPO, run_cli, tiny_settings
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from lossguard.agent.config import ConfigError, WandbConfig
-from lossguard.agent.wandb_logger import WandbLogger, numeric_fields, resolve_mode
+from lossguard.agent.config import WandbConfig
+from lossguard.agent.telemetry.wandb_logger import WandbLogger, numeric_fields, resolve_mode
+from lossguard.common.config import ConfigError
 
 from .conftest import wait_for
 
@@ -203,13 +204,13 @@ def test_a_step_behind_the_last_one_gets_its_own_row(
     for step in range(1, 11):
         logger.log(train(step, loss=1.0))
     logger.log(evaluation(10, loss=1.5))
-    with caplog.at_level(logging.WARNING, logger="lossguard.agent.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="lossguard.agent.telemetry.wandb_logger"):
         for step in range(6, 13):  # rolled back to step 5
             logger.log(train(step, loss=2.0))
             if step == 8:
                 logger.log(evaluation(8, loss=2.5))
     logger.finish()
-    warnings = [r for r in caplog.records if r.name == "lossguard.agent.wandb_logger"]
+    warnings = [r for r in caplog.records if r.name == "lossguard.agent.telemetry.wandb_logger"]
     assert len(warnings) == 1 and "step 6 is behind" in warnings[0].getMessage()
 
     (run,) = offline_runs(wandb_env / "r3", "r3")
@@ -268,7 +269,7 @@ def test_a_missing_wandb_package_is_a_config_error(
 
 def test_a_training_run_mirrors_its_metrics_to_wandb(wandb_env: Path, corpus_cache: Path) -> None:
     from lossguard.agent.config import parse_config
-    from lossguard.agent.trainer import Trainer
+    from lossguard.agent.train.trainer import Trainer
 
     from .conftest import tiny_settings
 

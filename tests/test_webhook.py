@@ -17,14 +17,14 @@ import requests
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossguard.monitor.alerting import fingerprint
-from lossguard.monitor.notify.model import AlertInfo, Notification
-from lossguard.monitor.notify.webhook import (
+from lossguard.monitor.notify.integrations.webhook import (
     WebhookIntegration,
     go_time,
     quote_meta,
     webhook_payload,
 )
+from lossguard.monitor.notify.model import AlertInfo, Notification
+from lossguard.monitor.rules.alerting import fingerprint
 
 from .amserver import CaptureServer, alertmanager
 from .conftest import free_port, wait_for

@@ -22,13 +22,19 @@ import requests
 from rich.console import Console
 from rich.table import Table
 
-from lossguard.monitor.alerting import Alert, AlertState, Transition, TransitionKind, fingerprint
 from lossguard.monitor.notify.config import NotificationsConfig, read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
 from lossguard.monitor.notify.dispatcher import Dispatcher
 from lossguard.monitor.notify.integrations import build_integrations
+from lossguard.monitor.notify.integrations.webhook import webhook_payload
 from lossguard.monitor.notify.store import PENDING, NotifyStore
-from lossguard.monitor.notify.webhook import webhook_payload
+from lossguard.monitor.rules.alerting import (
+    Alert,
+    AlertState,
+    Transition,
+    TransitionKind,
+    fingerprint,
+)
 from lossguard.monitor.state import StateStore
 
 URL_ENV = "LOSSGUARD_BENCH_WEBHOOK_URL"

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from lossguard.agent.config import ConfigError, Section, field_error
+from lossguard.common.config import ConfigError, Section, field_error
 from lossguard.monitor.notify.matchers import parse_matchers
 from lossguard.monitor.validation import http_url, seconds
 

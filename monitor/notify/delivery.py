@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 
 import requests
 
-from lossguard.monitor.notify.http import Outcome
 from lossguard.monitor.notify.integrations import Integration
+from lossguard.monitor.notify.integrations.http import Outcome
 from lossguard.monitor.notify.model import Notification
 from lossguard.monitor.notify.store import NotifyStore, OutboxEntry
 

@@ -17,7 +17,6 @@ import logging
 import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
 
-from lossguard.monitor.alerting import TransitionKind
 from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.notify.facts import Facts, RunFacts
 from lossguard.monitor.notify.inhibit import Inhibitor
@@ -26,6 +25,7 @@ from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo, Notification, l
 from lossguard.monitor.notify.routing import Route, build_route
 from lossguard.monitor.notify.silences import Silence, SilenceStore
 from lossguard.monitor.notify.store import Group, NotifyStore
+from lossguard.monitor.rules.alerting import TransitionKind
 from lossguard.monitor.state import AlertEvent, StateStore
 
 log = logging.getLogger("lossguard.monitor.notify")

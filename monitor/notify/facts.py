@@ -7,16 +7,16 @@ import logging
 import math
 from collections.abc import Mapping
 
+from lossguard.common.catalogue import ROLLBACKS_TOTAL, SKIPPED_STEPS_TOTAL, STEP
 from lossguard.monitor.notify.model import RUN_LABEL
 from lossguard.monitor.promql import PromQLError
+from lossguard.monitor.rules.templating import go_quote
 from lossguard.monitor.sources import Source, SourceError
-from lossguard.monitor.templating import go_quote
 
 log = logging.getLogger("lossguard.monitor.notify")
-STEP = "lossguard_step"
 ACTIONS = {  # counter -> how a notification says it
-    "lossguard_rollbacks_total": ("rolled back {n} time", "rolled back {n} times"),
-    "lossguard_skipped_steps_total": ("skipped {n} step", "skipped {n} steps"),
+    ROLLBACKS_TOTAL: ("rolled back {n} time", "rolled back {n} times"),
+    SKIPPED_STEPS_TOTAL: ("skipped {n} step", "skipped {n} steps"),
 }
 FACT_METRICS = frozenset({STEP, *ACTIONS})
 Facts = tuple[int | None, tuple[str, ...]]  # the run's step, what was done about it

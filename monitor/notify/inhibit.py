@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from lossguard.agent.config import ConfigError
+from lossguard.common.config import ConfigError
 from lossguard.monitor.notify.config import InhibitRuleConfig
 from lossguard.monitor.notify.matchers import Matcher, matches_all, parse_matchers
-from lossguard.monitor.rules import LABEL_NAME
+from lossguard.monitor.rules.rulefile import LABEL_NAME
 
 
 @dataclass(frozen=True)

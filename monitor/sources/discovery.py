@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-log = logging.getLogger(__name__)
+from lossguard.common.agent_file import AGENT_FILE, AgentInfo
 
-ENDED_CLEANLY = ("completed", "stopped")
-"""``exit`` values of runs that ended on purpose: their targets are dropped. A run that failed,
-or never wrote ``exit`` (killed), stays a target, so that "agent down" can fire."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,7 +32,7 @@ def discover_agents(runs_root: Path) -> list[DiscoveredTarget]:
     An ``agent.json`` that cannot be read is skipped, with one warning per content.
     """
     runs: list[tuple[float, list[DiscoveredTarget]]] = []
-    for path in sorted(runs_root.glob("*/agent.json")):
+    for path in sorted(runs_root.glob(f"*/{AGENT_FILE}")):
         try:
             data = path.read_bytes()
         except OSError:
@@ -77,39 +73,21 @@ def redact_url(url: str) -> str:
 
 
 def _parse(run_dir: Path, data: bytes) -> tuple[float, list[DiscoveredTarget]]:
-    """``(started_at, targets)`` of one ``agent.json``; ValueError names what is wrong."""
-    try:
-        info = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(info, dict):
-        raise ValueError("not a JSON object")
-    run_id = _field(info, "run_id", str)
-    urls = _field(info, "metrics_urls", list)
-    if not all(isinstance(url, str) for url in urls):
-        raise ValueError("metrics_urls: expected a list of URLs")
-    for url in urls:
+    """``(started_at, targets)`` of one ``agent.json``; ValueError names what is wrong.
+
+    A run that ended on purpose has no targets; one that failed, or never wrote ``exit``
+    (killed), stays a target, so that "agent down" can fire."""
+    info = AgentInfo.parse(data)
+    for url in info.metrics_urls:
         instance_of(url)
-    socket = info.get("socket")
-    if socket is not None and not isinstance(socket, str):
-        raise ValueError("socket: expected a path or null")
-    started_at = info.get("started_at", 0.0)
-    if not isinstance(started_at, int | float):
-        raise ValueError("started_at: expected a number")
-    if info.get("exit") in ENDED_CLEANLY:
-        return started_at, []
-    socket_path = Path(socket) if socket else None
+    if info.ended_cleanly:
+        return info.started_at, []
+    socket_path = Path(info.socket) if info.socket else None
     targets = [
-        DiscoveredTarget(url, run_id, rank, socket_path, run_dir) for rank, url in enumerate(urls)
+        DiscoveredTarget(url, info.run_id, rank, socket_path, run_dir)
+        for rank, url in enumerate(info.metrics_urls)
     ]
-    return started_at, targets
-
-
-def _field(info: dict[str, Any], name: str, kind: type) -> Any:
-    value = info.get(name)
-    if not isinstance(value, kind):
-        raise ValueError(f"{name}: expected a {kind.__name__}, got {json.dumps(value)}")
-    return value
+    return info.started_at, targets
 
 
 @functools.lru_cache(maxsize=1024)

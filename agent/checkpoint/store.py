@@ -1,0 +1,349 @@
+"""``CheckpointStore``: atomic, verified, retained checkpoints under ``run_dir/checkpoints``.
+
+A checkpoint is a folder ``step_XXXXXXXX`` holding ``state.pt`` (one ``torch.save`` dict) and
+``meta.json``. It is written under a hidden temporary name, fsynced and renamed into place, so it
+is visible only when complete; deletion renames it to a hidden trash name first. Hidden leftovers
+of a crash are removed when a store opens. Only one process writes to a store at a time.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lossguard.agent.checkpoint.files import (
+    fsync_dir,
+    remove,
+    sha256_file,
+    write_json_synced,
+    write_synced,
+)
+from lossguard.agent.checkpoint.meta import (
+    META_FILE,
+    NAME_RE,
+    STATE_FILE,
+    CheckpointError,
+    CheckpointMeta,
+    meta_fields,
+    one_line,
+    read_meta,
+)
+from lossguard.agent.checkpoint.targets import NAMED_TARGETS, SUPERSEDED, is_superseded, ordered
+from lossguard.agent.rundir import package_versions
+
+_HIDDEN_PREFIXES = (".tmp-", ".trash-")
+
+# the package's name, as before it was split: log records and logging settings keep their logger
+log = logging.getLogger("lossguard.agent.checkpoint")
+
+OnDone = Callable[[CheckpointMeta | BaseException], None]
+
+
+class _Unusable(Exception):
+    """The problem of one checkpoint, without its name."""
+
+
+class CheckpointStore:
+    """Checkpoints of one run under ``root`` (``run_dir/checkpoints``), written by one process.
+
+    ``save``/``save_async``/``wait`` are called from one thread (the training loop) and never
+    from an ``on_done`` callback; ``list``, ``resolve``, ``load`` and ``pin`` from any thread.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        keep_last: int,
+        config_hash: str | None = None,
+        versions: dict[str, str | None] | None = None,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, not {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.config_hash = config_hash
+        self.versions = dict(package_versions() if versions is None else versions)
+        self._lock = threading.RLock()  # seq, pins, and renames within root
+        self._submit = threading.Lock()  # one save in flight
+        self._pinned: set[str] = set()
+        self._writer: threading.Thread | None = None
+        self.root.mkdir(parents=True, exist_ok=True)
+        for entry in self.root.iterdir():
+            if entry.name.startswith(_HIDDEN_PREFIXES):
+                remove(entry)
+        self._seq = max((m.seq for m in self.list()), default=0)
+
+    def save(
+        self,
+        step: int,
+        payload: dict[str, Any],
+        *,
+        tokens: int,
+        healthy: bool,
+        reason: str,
+        train_loss: float | None = None,
+        val_loss: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> CheckpointMeta:
+        """Write a checkpoint now (after any save in flight), then apply retention."""
+        fields = meta_fields(step, tokens, healthy, reason, train_loss, val_loss, extra)
+        self._check_caller()
+        with self._submit:
+            self.wait()
+            return self._save_now(payload, fields)
+
+    def save_async(
+        self,
+        step: int,
+        payload: dict[str, Any],
+        *,
+        tokens: int,
+        healthy: bool,
+        reason: str,
+        train_loss: float | None = None,
+        val_loss: float | None = None,
+        extra: dict[str, Any] | None = None,
+        on_done: OnDone | None = None,
+    ) -> None:
+        """Write a checkpoint in a background thread once the save in flight, if any, is done.
+
+        ``payload`` must be a ``snapshot``. ``on_done`` runs in the writer thread with the meta
+        or the exception (a CheckpointError naming the checkpoint); the save counts as in flight
+        until it returns. A failed save leaves no checkpoint behind.
+        """
+        fields = meta_fields(step, tokens, healthy, reason, train_loss, val_loss, extra)
+        self._check_caller()
+        with self._submit:
+            self.wait()
+            self._writer = threading.Thread(
+                target=self._write_in_background,
+                args=(payload, fields, on_done),
+                name=f"lossguard-checkpoint-{step}",
+            )
+            self._writer.start()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until no save is in flight, or ``timeout`` seconds (then see ``in_progress``)."""
+        self._check_caller()
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout)
+
+    @property
+    def in_progress(self) -> bool:
+        writer = self._writer
+        return writer is not None and writer.is_alive()
+
+    def list(self) -> builtins.list[CheckpointMeta]:
+        """Visible checkpoints in creation order; unreadable ones are skipped with a warning."""
+        metas = []
+        for entry in self.root.iterdir():
+            if not NAME_RE.fullmatch(entry.name) or not entry.is_dir():
+                continue
+            try:
+                metas.append(read_meta(entry))
+            except CheckpointError as exc:
+                if entry.is_dir():  # not deleted or replaced meanwhile
+                    log.warning("%s; ignoring it", exc)
+        return sorted(metas, key=lambda m: m.seq)
+
+    def resolve(self, target: str | int) -> builtins.list[CheckpointMeta]:
+        """Candidates for ``target`` (latest, best, last_good or a step), most preferred first."""
+        candidates = ordered(self.list(), target)
+        if not candidates:
+            raise CheckpointError(f"no checkpoint matches target {target!r} in {self.root}")
+        return candidates
+
+    def named(self) -> dict[str, CheckpointMeta | None]:
+        """The latest, best and last good checkpoints (None where there is none)."""
+        metas = self.list()
+        return {target: next(iter(ordered(metas, target)), None) for target in NAMED_TARGETS}
+
+    def load(self, target: str | int) -> tuple[CheckpointMeta, dict[str, Any]]:
+        """The first usable candidate for ``target`` and its state, loaded on the CPU.
+
+        Each unusable candidate is logged as a warning naming it, the problem and the next one.
+        """
+        candidates = self.resolve(target)
+        for index, meta in enumerate(candidates):
+            try:
+                return meta, self._read_state(meta)
+            except _Unusable as exc:
+                following = candidates[index + 1 : index + 2]
+                instead = f"trying {following[0].name}" if following else "no other candidate"
+                log.warning("checkpoint %s is unusable (%s); %s", meta.name, exc, instead)
+        tried = ", ".join(m.name for m in candidates)
+        raise CheckpointError(
+            f"no usable checkpoint for target {target!r} in {self.root} (tried {tried})"
+        )
+
+    def verify(self, meta: CheckpointMeta) -> None:
+        """Raise CheckpointError unless every file in ``meta.files`` exists and hashes right."""
+        try:
+            self._verify(meta)
+        except _Unusable as exc:
+            raise CheckpointError(f"checkpoint {meta.name}: {exc}") from None
+
+    def pin(self, name: str) -> None:
+        """Keep the checkpoint ``name`` from retention until ``unpin``."""
+        with self._lock:
+            if not NAME_RE.fullmatch(name) or not (self.root / name / META_FILE).is_file():
+                raise CheckpointError(f"cannot pin {name!r}: no such checkpoint in {self.root}")
+            self._pinned.add(name)
+
+    def unpin(self, name: str) -> None:
+        with self._lock:
+            self._pinned.discard(name)
+
+    def retained(self, metas: builtins.list[CheckpointMeta]) -> set[str]:
+        """Names kept: the newest ``keep_last``, the best, the last good and pinned ones."""
+        keep = {m.name for m in sorted(metas, key=lambda m: m.seq)[-self.keep_last :]}
+        for target in ("best", "last_good"):
+            keep.update(m.name for m in ordered(metas, target)[:1])
+        with self._lock:
+            return keep | (self._pinned & {m.name for m in metas})
+
+    def apply_retention(self) -> builtins.list[str]:
+        """Delete the checkpoints not retained; returns their names."""
+        removed = []
+        with self._lock:
+            metas = self.list()
+            keep = self.retained(metas)
+            for meta in metas:
+                if meta.name in keep:
+                    continue
+                try:
+                    trash = self._hide(meta.name)
+                except OSError as exc:
+                    log.warning("cannot delete checkpoint %s: %s", meta.name, exc)
+                    continue
+                shutil.rmtree(trash, ignore_errors=True)
+                removed.append(meta.name)
+        return removed
+
+    def supersede_after(self, kept: CheckpointMeta) -> builtins.list[str]:
+        """Mark every checkpoint written after ``kept`` superseded: training went back to
+        ``kept``, so ``latest``, ``best`` and ``last_good`` must not lead forward to the
+        abandoned timeline. They stay listed (post-mortems) until retention removes them."""
+        marked = []
+        with self._lock:
+            for meta in self.list():
+                if meta.seq <= kept.seq or is_superseded(meta):
+                    continue
+                updated = replace(meta, extra={**meta.extra, SUPERSEDED: True})
+                folder = self.root / meta.name
+                tmp = folder / f".{META_FILE}.tmp"
+                write_json_synced(tmp, updated.to_dict())
+                os.replace(tmp, folder / META_FILE)
+                fsync_dir(folder)
+                marked.append(meta.name)
+        return marked
+
+    def _check_caller(self) -> None:
+        if threading.current_thread() is self._writer:
+            raise CheckpointError("checkpoint saves cannot be started or awaited from on_done")
+
+    def _write_in_background(
+        self, payload: dict[str, Any], fields: dict[str, Any], on_done: OnDone | None
+    ) -> None:
+        result: CheckpointMeta | BaseException
+        try:
+            result = self._save_now(payload, fields)
+        except BaseException as exc:  # reported, never raised: a failed save must not kill the run
+            result = exc
+        if on_done is None:
+            if isinstance(result, BaseException):
+                log.error("%s", result)
+            return
+        try:
+            on_done(result)
+        except Exception:
+            log.exception("checkpoint on_done callback failed")
+
+    def _save_now(self, payload: dict[str, Any], fields: dict[str, Any]) -> CheckpointMeta:
+        name = fields["name"]
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        created_at = time.time()
+        tmp = self.root / f".tmp-{name}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            write_synced(tmp / STATE_FILE, lambda fh: torch.save(payload, fh))
+            files = {STATE_FILE: sha256_file(tmp / STATE_FILE)}
+            meta = CheckpointMeta(
+                seq=seq,
+                created_at=created_at,
+                files=files,
+                config_hash=self.config_hash,
+                versions=dict(self.versions),
+                **fields,
+            )
+            write_json_synced(tmp / META_FILE, meta.to_dict())
+            fsync_dir(tmp)
+            self._publish(tmp, name)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {name}: save failed ({one_line(exc)})") from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.apply_retention()
+        return meta
+
+    def _publish(self, tmp: Path, name: str) -> None:
+        """Rename the complete ``tmp`` to ``name``, replacing a checkpoint of the same step."""
+        final = self.root / name
+        with self._lock:
+            trash = self._hide(name) if final.exists() else None
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                if trash is not None:
+                    os.rename(trash, final)
+                raise
+            fsync_dir(self.root)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _hide(self, name: str) -> Path:
+        """Rename a checkpoint to a trash name, which no reader sees; returns the new path."""
+        trash = self.root / f".trash-{name}-{secrets.token_hex(4)}"
+        os.rename(self.root / name, trash)
+        return trash
+
+    def _verify(self, meta: CheckpointMeta) -> None:
+        if STATE_FILE not in meta.files:
+            raise _Unusable(f"{STATE_FILE} is not listed in {META_FILE}")
+        for file_name, expected in meta.files.items():
+            try:
+                actual = sha256_file(self.root / meta.name / file_name)
+            except FileNotFoundError:
+                raise _Unusable(f"{file_name} is missing") from None
+            except OSError as exc:
+                raise _Unusable(f"{file_name} is unreadable ({one_line(exc)})") from None
+            if actual != expected:
+                raise _Unusable(f"sha256 mismatch in {file_name}")
+
+    def _read_state(self, meta: CheckpointMeta) -> dict[str, Any]:
+        self._verify(meta)
+        path = self.root / meta.name / STATE_FILE
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # whatever the unpickler raises, the checkpoint is unusable
+            raise _Unusable(f"cannot load {STATE_FILE}: {one_line(exc)}") from None
+        if not isinstance(state, dict):
+            raise _Unusable(f"{STATE_FILE} holds a {type(state).__name__}, not a dict")
+        return state

@@ -1,0 +1,305 @@
+"""Recovery: checkpoints of every registered state, and putting them back.
+
+Building a payload (every registered state dict, the RNG states of all ranks, the health of all
+ranks), saving it through the checkpoint store, and applying one on every rank for a resume or a
+rollback. Collective under torchrun: every rank calls ``save`` and ``restore`` together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lossguard.agent.checkpoint.meta import CheckpointMeta
+from lossguard.agent.checkpoint.snapshot import snapshot
+from lossguard.agent.checkpoint.store import CheckpointStore
+from lossguard.agent.distributed import all_gather_objects, all_reduce_max, broadcast_objects
+from lossguard.agent.rng import capture_rng, restore_rng
+from lossguard.agent.telemetry.collector import Telemetry
+from lossguard.common.protocol import Target
+
+log = logging.getLogger("lossguard.agent")
+
+CHECKPOINT_FORMAT = 2
+"""1: step, tokens and lr_scale beside the state; 2: inside it, as the ``progress`` state."""
+PROGRESS_STATE = "progress"
+DETECTOR_STATE = "spikes/"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+class RestoreError(RuntimeError):
+    """A checkpoint could not be restored; the message names it and why. ``not_found``: no
+    usable checkpoint matched the target."""
+
+    def __init__(self, message: str, *, not_found: bool = False) -> None:
+        super().__init__(message)
+        self.not_found = not_found
+
+
+class TrainProgress:
+    """Where training stands: optimizer steps done, tokens trained on, and the learning-rate
+    scale set by control commands. Registered state, so checkpoints carry it."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens = 0
+        self.lr_scale = 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens, "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None:
+        self.step = int(state["step"])
+        self.tokens = int(state["tokens"])
+        self.lr_scale = float(state["lr_scale"])
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 of the model's tensors: equal on every rank that holds the same weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(
+            tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        )
+    return digest.hexdigest()
+
+
+def is_optional(state_name: str) -> bool:
+    """Detector state: a checkpoint without it (or from other settings) still restores."""
+    return state_name.startswith(DETECTOR_STATE)
+
+
+def _upgraded(payload: dict[str, Any]) -> dict[str, Any]:
+    """A payload in the current format; format 1 kept the progress beside the state."""
+    version = payload.get("format", 1)
+    if version == CHECKPOINT_FORMAT:
+        return payload
+    if version != 1:
+        raise RestoreError(f"checkpoint format {version} is newer than this lossguard reads")
+    progress = {key: payload[key] for key in ("step", "tokens", "lr_scale")}
+    return {**payload, "state": {**payload["state"], PROGRESS_STATE: progress}}
+
+
+Events = Callable[..., None]
+OnSaved = Callable[[CheckpointMeta | BaseException], None]
+
+
+class Recovery:
+    """Saves and restores every registered state (``state``, shared with the Guard).
+
+    ``store`` is the checkpoint store on rank 0 and None elsewhere; ``healthy_now`` says whether
+    this rank is healthy at this boundary (DESIGN.md ``last_good``); ``on_restored`` runs after
+    every restore; ``event`` appends to the audit trail.
+    """
+
+    def __init__(
+        self,
+        state: dict[str, Stateful],
+        progress: TrainProgress,
+        *,
+        store: CheckpointStore | None,
+        group: Any,
+        rank: int,
+        world_size: int,
+        async_save: bool,
+        telemetry: Telemetry | None,
+        healthy_now: Callable[[], bool],
+        on_restored: Callable[[CheckpointMeta], None],
+        event: Events,
+    ) -> None:
+        self.state = state
+        self.progress = progress
+        self.store = store
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.async_save = async_save
+        self.telemetry = telemetry
+        self.healthy_now = healthy_now
+        self.on_restored = on_restored
+        self.event = event
+        self.last_saved_step: int | None = None
+        self.state_mixed = False  # a restore failed halfway: this state must never be saved
+
+    def payload(self) -> tuple[dict[str, Any], bool]:
+        """Everything a bit-exact resume needs, and whether every rank is healthy now.
+        Collective under torchrun: the RNG states and health of all ranks are gathered."""
+        gathered = all_gather_objects((capture_rng(), self.healthy_now()), self.group)
+        payload = {
+            "format": CHECKPOINT_FORMAT,
+            "world_size": self.world_size,
+            "rng": [rng for rng, _ in gathered],
+            "state": {name: obj.state_dict() for name, obj in self.state.items()},
+        }
+        return payload, all(healthy for _, healthy in gathered)
+
+    def save(
+        self,
+        reason: str,
+        *,
+        healthy: bool | None,
+        train_loss: float | None,
+        val_loss: float | None,
+        wait: bool,
+        on_done: OnSaved | None,
+    ) -> None:
+        """Checkpoint now (rank 0 writes), in the background unless ``wait`` or async saves
+        are off; ``on_done`` gets the meta or the error once the checkpoint is on disk."""
+        if self.state_mixed:
+            log.error("not saving: a failed restore left the state mixed")
+            return
+        payload, all_healthy = self.payload()
+        step = self.progress.step
+        self.last_saved_step = step  # on every rank: finish() must agree on the collective
+        if self.store is None:
+            return
+        store = self.store
+        meta_fields: dict[str, Any] = {
+            "tokens": self.progress.tokens,
+            "healthy": all_healthy if healthy is None else healthy,
+            "reason": reason,
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+        }
+        store.wait()  # at most one save in flight; its end must not clear this one's gauge
+        started = time.perf_counter()
+        if self.telemetry is not None:
+            self.telemetry.checkpoint_started()
+
+        def finished(result: CheckpointMeta | BaseException) -> None:
+            seconds = time.perf_counter() - started
+            failed = isinstance(result, BaseException)
+            if self.telemetry is not None:
+                self.telemetry.checkpoint_finished(None if failed else seconds, store.named())
+            if isinstance(result, BaseException):
+                log.error("checkpoint at step %d failed: %s", step, result)
+                self.event("checkpoint_failed", reason=reason, error=str(result))
+            else:
+                self.event(
+                    "checkpoint",
+                    name=result.name,
+                    reason=reason,
+                    seconds=seconds,
+                    healthy=result.healthy,
+                    checkpoint_step=result.step,
+                )
+            if on_done is not None:
+                on_done(result)
+
+        if self.async_save and not wait:
+            store.save_async(step, snapshot(payload), on_done=finished, **meta_fields)
+            return
+        try:
+            meta = store.save(step, payload, **meta_fields)
+        except Exception as exc:  # a failed save must not stop training
+            finished(exc)
+            return
+        finished(meta)
+
+    def restore(self, target: Target, *, skip_batches: int = 0) -> CheckpointMeta:
+        """Load a checkpoint into every registered state on every rank; then skip batches.
+        A checkpoint that cannot be loaded raises RestoreError and changes nothing; one that
+        fails halfway through being applied raises it with ``state_mixed`` set (its state
+        would be a mix: training must stop)."""
+        data = self.state.get("data")
+        if skip_batches and (data is None or not hasattr(data, "skip")):
+            raise RestoreError("skip_batches needs registered data with a skip() method")
+        loaded: list[Any] = [None]
+        if self.store is not None:
+            self.store.wait()
+            try:
+                meta, payload = self.store.load(target)
+                loaded = [{"meta": meta, "payload": _upgraded(payload)}]
+            except Exception as exc:
+                loaded = [f"{exc}"]
+        loaded = broadcast_objects(loaded, self.group)
+        if isinstance(loaded[0], str):
+            raise RestoreError(loaded[0], not_found=True)
+        meta, payload = loaded[0]["meta"], loaded[0]["payload"]
+        missing = sorted(n for n in set(self.state) - set(payload["state"]) if not is_optional(n))
+        if missing:
+            raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
+        failure: Exception | None = None
+        try:
+            self._apply(payload)
+        except Exception as exc:
+            failure = exc
+        if all_reduce_max([int(failure is not None)], self.group)[0]:  # every rank agrees
+            self.state_mixed = True
+            why = failure or "on another rank"
+            raise RestoreError(
+                f"{meta.name} failed halfway ({why}); training stops to protect the run"
+            ) from failure
+        if skip_batches:
+            data.skip(skip_batches)  # type: ignore[union-attr]
+        self.last_saved_step = self.progress.step
+        if self.store is not None:  # later checkpoints belong to the timeline we left
+            left = self.store.supersede_after(meta)
+            if left:
+                self.event("superseded", checkpoints=left, restored=meta.name)
+            if self.telemetry is not None:
+                self.telemetry.checkpoint_finished(None, self.store.named())
+        self.on_restored(meta)
+        return meta
+
+    def rollback(self, target: Target, *, skip_batches: int, lr_scale: float) -> dict[str, Any]:
+        """Restore ``target``, pass over ``skip_batches`` batches and multiply the learning-rate
+        scale by ``lr_scale``; audited, and what the ``rollback`` command answers. Under
+        torchrun the answer carries every rank's step and weights digest."""
+        from_step = self.progress.step
+        meta = self.restore(target, skip_batches=skip_batches)
+        self.set_lr_scale(self.progress.lr_scale * lr_scale)
+        result: dict[str, Any] = {
+            "from_step": from_step,
+            "to_step": self.progress.step,
+            "checkpoint": meta.name,
+            "skipped_batches": skip_batches,
+            "lr_scale": self.progress.lr_scale,
+        }
+        if self.world_size > 1:
+            model = self.state["model"]
+            assert isinstance(model, nn.Module)
+            mine = {"rank": self.rank, "step": self.progress.step, "weights": weights_digest(model)}
+            result["ranks"] = all_gather_objects(mine, self.group)
+        self.event("rollback", **result)
+        log.warning("rolled back from step %d to step %d (%s)", from_step, meta.step, meta.name)
+        return result
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Multiply the learning rate by ``scale`` relative to the schedule, from now on: the
+        optimizer's current rates and the scheduler's base rates alike."""
+        ratio = scale / self.progress.lr_scale
+        optimizer = self.state.get("optimizer")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for group in optimizer.param_groups:
+                group["lr"] *= ratio
+        scheduler = self.state.get("scheduler")
+        base_lrs = getattr(scheduler, "base_lrs", None)
+        if base_lrs is not None:
+            scheduler.base_lrs = [b * ratio for b in base_lrs]  # type: ignore[union-attr]
+        self.progress.lr_scale = scale
+
+    def _apply(self, payload: dict[str, Any]) -> None:
+        """Optional state (detectors) first and forgivingly, then the training state."""
+        for name, obj in sorted(self.state.items(), key=lambda item: not is_optional(item[0])):
+            saved = payload["state"].get(name)
+            if not is_optional(name):
+                obj.load_state_dict(saved)
+                continue
+            try:
+                obj.load_state_dict(saved)
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                log.warning("%s not restored (%s): it starts afresh", name, exc or "absent")
+        rng = payload["rng"]
+        restore_rng(rng[self.rank] if len(rng) == self.world_size else rng[0])

@@ -1,0 +1,45 @@
+"""SIGTERM and SIGINT during training: the first asks the loop to save and stop at the next step
+boundary; a second one gets the default action (the handlers are put back at the first)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """Records the first stop signal for the training loop to act on."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Catch the stop signals (only possible, and only done, on the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before, where ours are still installed."""
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, previous)
+
+    @property
+    def pending(self) -> bool:
+        return self.received is not None
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received is not None else None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

@@ -1,0 +1,303 @@
+"""Telemetry for Guard: what a run senses, at a cost the loop does not feel.
+
+Per step: spike and non-finite detection on the device (no sync) and three host-side metric
+updates (step, heartbeat, step time). Per log interval: the detector statistics join Guard's
+one host sync, then every gauge is published. Sampled steps: FP8 health and gradient
+diagnostics. Reads never wait on the device except at those points.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from lossguard.agent.checkpoint.meta import CheckpointMeta
+from lossguard.agent.config import Config
+from lossguard.agent.distributed import all_gather_objects
+from lossguard.agent.rundir import git_commit
+from lossguard.agent.telemetry.exporter import Exporter
+from lossguard.agent.telemetry.fp8_health import TENSORS as FP8_TENSORS
+from lossguard.agent.telemetry.fp8_health import Fp8Health
+from lossguard.agent.telemetry.grad_diagnostics import GradDiagnostics
+from lossguard.agent.telemetry.hardware import Nvml, Peak, memory_stats, resolve_peak
+from lossguard.agent.telemetry.registry import AgentMetrics
+from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeDetector
+from lossguard.common import __version__
+from lossguard.common.catalogue import MEMORY_KINDS, SIGNALS
+
+log = logging.getLogger("lossguard.agent")
+
+
+def public_host(bind_host: str) -> str:
+    """The host name to put in URLs for a server bound to ``bind_host``."""
+    return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
+
+
+def _by_signal(stats: list[float]) -> dict[str, dict[str, float]]:
+    """Split ``Telemetry.stats()`` read to the host into each signal's named fields."""
+    width = len(STAT_FIELDS)
+    return {
+        signal: dict(zip(STAT_FIELDS, stats[i * width : (i + 1) * width], strict=True))
+        for i, signal in enumerate(SIGNALS)
+    }
+
+
+def skips_on_device(
+    optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None
+) -> bool:
+    """A fused optimizer skips a step on a device flag (``found_inf``) without a host sync;
+    with a GradScaler, the scaler already skips non-finite steps itself."""
+    if optimizer is None or scaler is not None:
+        return False
+    if optimizer.defaults.get("fused"):
+        return True
+    log.warning(
+        "the optimizer is not fused: non-finite steps are counted but their updates cannot be "
+        "skipped without a host sync (use e.g. torch.optim.AdamW(..., fused=True))"
+    )
+    return False
+
+
+class Telemetry:
+    """Detectors, samplers and the exporter of one rank."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model: nn.Module,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        run_id: str,
+        flops_per_token: float,
+        group: Any,
+        loss_scaling: bool = False,
+    ) -> None:
+        cfg = config.telemetry
+        self.config = config
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        # Under a GradScaler, overflowing grad norms are the scaler at work, not divergence.
+        self.detectors = {
+            s: SpikeDetector(
+                cfg.spikes, device, nonfinite_opens_episode=not (loss_scaling and s == "grad_norm")
+            )
+            for s in SIGNALS
+        }
+        self.nvml = Nvml(device)
+        self.metrics = AgentMetrics(run_id, rank, nvml=self.nvml.available)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        port = cfg.port + local_rank if cfg.port else 0
+        self.exporter = Exporter.start(self.metrics.registry, cfg.host, port)
+        self.urls = all_gather_objects(self.exporter.url(public_host(cfg.host)), group)
+        precision = config.precision.dtype
+        self.peak: Peak | None = resolve_peak(device, precision, cfg.peak_flops)
+        self.fp8 = None
+        if precision == "fp8" and config.model.compile:
+            log.warning("FP8 health sampling needs an eager model: off under model.compile")
+        elif precision == "fp8":
+            self.fp8 = Fp8Health(model, config.precision.fp8_recipe)
+        diagnostics = cfg.grad_diagnostics
+        self.grads = GradDiagnostics(model, diagnostics) if diagnostics.enabled else None
+        self._exported_totals: dict[str, float] = {}
+        self._grad_layers: set[str] = set()
+        self._last_step_time = time.perf_counter()
+        self._publish_static(model, run_id)
+
+    # ------------------------------------------------------------ per step
+
+    def on_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Feed the detectors; returns the device flag "this step saw a non-finite value"."""
+        loss_bad = self.detectors["loss"].update(loss.detach().float())
+        norm_bad = self.detectors["grad_norm"].update(grad_norm)
+        return torch.logical_or(loss_bad, norm_bad)
+
+    def exclude(self, seconds: float) -> None:
+        """Time that was not training (evaluation, a pause) stays out of the step time."""
+        self._last_step_time += seconds
+
+    def step_done(self, step: int) -> None:
+        """Host-side heartbeat; never touches the device."""
+        now = time.perf_counter()
+        self.metrics.observe("step_duration_seconds", now - self._last_step_time)
+        self._last_step_time = now
+        self.metrics.set("step", step)
+        self.metrics.set("last_step_timestamp_seconds", time.time())
+
+    def sampling(self, next_step: int) -> None:
+        """Arm the FP8 sampler before the forward of a sampled step."""
+        if self.fp8 is not None and next_step % self.config.telemetry.fp8.every == 0:
+            self.fp8.arm()
+
+    def collect_samples(self, step: int) -> list[dict[str, Any]]:
+        """After backward on a sampled step: FP8 health and gradient diagnostics records."""
+        records = []
+        if self.fp8 is not None:
+            health = self.fp8.collect()
+            if health is not None:
+                self._publish_fp8(health)
+                records.append({"kind": "fp8", "step": step, **health})
+        grads_every = self.config.telemetry.grad_diagnostics.every
+        if self.grads is not None and step % grads_every == 0:
+            diagnostics = self.grads.collect()
+            self._publish_grads(diagnostics)
+            records.append({"kind": "grad_diagnostics", "step": step, **diagnostics})
+        return records
+
+    # ------------------------------------------------------------ per log interval
+
+    def episode_active(self) -> bool:
+        """Whether a spike episode is unrecovered on this rank (one host read: at saves)."""
+        active = STAT_FIELDS.index("active")
+        return any(bool(self.detectors[s].stats()[active].item()) for s in SIGNALS)
+
+    def stats(self) -> torch.Tensor:
+        """The detectors' device statistics, for the log interval's one sync (MAX over ranks)."""
+        return torch.cat([self.detectors[s].stats() for s in SIGNALS])
+
+    def publish(
+        self, record: dict[str, Any], stats: list[float], tokens_local: float, elapsed: float
+    ) -> None:
+        """Export one log interval and add the telemetry fields to its metrics record."""
+        metrics = self.metrics
+        for signal, values in _by_signal(stats).items():
+            metrics.set(f"{signal}_zscore", values["zscore"])
+            metrics.set("spike_active", values["active"], signal=signal)
+            metrics.set("spike_duration_steps", values["duration"], signal=signal)
+            self._export_total("spikes", values["spikes_total"], signal=signal)
+            self._export_total("nonfinite", values["nonfinite_total"], signal=signal)
+            record[f"{signal}_zscore"] = values["zscore"]
+            record[f"{signal}_spike_active"] = bool(values["active"])
+            record[f"{signal}_spikes_total"] = int(values["spikes_total"])
+            record[f"{signal}_nonfinite_total"] = int(values["nonfinite_total"])
+        tokens_per_second = tokens_local / elapsed if elapsed > 0 else 0.0
+        metrics.inc("tokens", tokens_local)
+        metrics.set("tokens_per_second", tokens_per_second)
+        flops = tokens_per_second * self.flops_per_token
+        metrics.set("model_flops_per_second", flops)
+        record["model_flops_per_second"] = flops * self.world_size
+        if self.peak is not None:
+            mfu = flops / self.peak.flops
+            metrics.set("mfu_ratio", mfu)
+            record["mfu"] = mfu
+        self._export_total("skipped_steps", record["skipped_steps"])
+        for name in ("train_loss", "grad_norm"):
+            if math.isfinite(record[name]):
+                metrics.set(name, record[name])
+        if record.get("lr") is not None:
+            metrics.set("learning_rate", record["lr"])
+        if record.get("loss_scale") is not None:
+            metrics.set("amp_loss_scale", record["loss_scale"])
+        self._publish_memory(record)
+
+    def publish_eval(self, val_loss: float) -> None:
+        if math.isfinite(val_loss):
+            self.metrics.set("val_loss", val_loss)
+
+    def resync_totals(self) -> None:
+        """After a restore the detectors' totals jump back; count on from there (one read)."""
+        for signal, values in _by_signal(self.stats().tolist()).items():
+            self._exported_totals[f"spikes/{signal}"] = values["spikes_total"]
+            self._exported_totals[f"nonfinite/{signal}"] = values["nonfinite_total"]
+
+    def _export_total(self, name: str, total: float, signal: str | None = None) -> None:
+        """Counters only go up: export the increase of a device-side running total."""
+        key = f"{name}/{signal or ''}"
+        increase = total - self._exported_totals.get(key, 0.0)
+        self._exported_totals[key] = total
+        labels = {"signal": signal} if signal else {}
+        self.metrics.inc(name, increase, **labels)
+
+    def _publish_memory(self, record: dict[str, Any]) -> None:
+        memory = memory_stats(self.device)
+        for kind in MEMORY_KINDS:
+            if kind in memory:
+                self.metrics.set("device_memory_bytes", memory[kind], kind=kind)
+        if "limit" in memory:
+            self.metrics.set("device_memory_limit_bytes", memory["limit"])
+        for name, key in (("memory_alloc_retries", "alloc_retries"), ("oom", "ooms")):
+            if key in memory:
+                self._export_total(name, memory[key])
+        record["memory"] = memory
+        sample = self.nvml.sample()
+        if sample is not None:
+            self.metrics.set("gpu_utilization_ratio", sample["utilization_ratio"])
+            self.metrics.set("gpu_power_watts", sample["power_watts"])
+            self.metrics.set("gpu_temperature_celsius", sample["temperature_celsius"])
+            record["gpu"] = sample
+
+    def _publish_fp8(self, health: dict[str, Any]) -> None:
+        for tensor in FP8_TENSORS:
+            worst = health["worst"][tensor]
+            self.metrics.set("fp8_amax", worst["amax"], tensor=tensor)
+            self.metrics.set("fp8_overflow_ratio", worst["overflow"], tensor=tensor)
+            self.metrics.set("fp8_underflow_ratio", worst["underflow"], tensor=tensor)
+
+    def _publish_grads(self, diagnostics: dict[str, Any]) -> None:
+        top = {entry["layer"]: entry["l2"] for entry in diagnostics["top"]}
+        for gone in self._grad_layers - top.keys():  # bounded cardinality: only the top-k
+            self.metrics.remove("grad_layer_norm", layer=gone)
+        for layer, value in top.items():
+            self.metrics.set("grad_layer_norm", value, layer=layer)
+        self._grad_layers = set(top)
+        self.metrics.set("grad_vanishing_layers", diagnostics["vanishing"])
+        self.metrics.set("grad_exploding_layers", diagnostics["exploding"])
+        dead = [layer["dead_fraction"] for layer in diagnostics["layers"].values()]
+        self.metrics.set("grad_dead_neuron_ratio", max(dead, default=0.0))
+
+    # ------------------------------------------------------------ static, checkpoints, control
+
+    def _publish_static(self, model: nn.Module, run_id: str) -> None:
+        cfg = self.config
+        self.metrics.set(
+            "run_info",
+            1,
+            model=type(model).__name__,
+            precision=cfg.precision.dtype,
+            device=self.device.type,
+            world_size=str(self.world_size),
+            version=__version__,
+            git_commit=git_commit() or "unknown",
+        )
+        self.metrics.set("step_target", cfg.train.max_steps)
+        self.metrics.set("paused", 0)
+        self.metrics.set("checkpoint_in_progress", 0)
+        if self.peak is not None:
+            self.metrics.set("peak_flops", self.peak.flops, source=self.peak.source)
+
+    def checkpoint_started(self) -> None:
+        self.metrics.set("checkpoint_in_progress", 1)
+
+    def checkpoint_finished(
+        self, seconds: float | None, named: dict[str, CheckpointMeta | None]
+    ) -> None:
+        """A save ended (``seconds`` None if it failed); ``named``: latest, best, last good."""
+        self.metrics.set("checkpoint_in_progress", 0)
+        if seconds is not None:
+            self.metrics.observe("checkpoint_save_duration_seconds", seconds)
+            self.metrics.set("checkpoint_timestamp_seconds", time.time())
+        for kind, meta in named.items():
+            if meta is not None:
+                self.metrics.set("checkpoint_step", meta.step, kind=kind)
+
+    def command_applied(self, command: str, ok: bool) -> None:
+        self.metrics.inc("control_commands", command=command, result="ok" if ok else "error")
+        if ok and command == "rollback":
+            self.metrics.inc("rollbacks")
+
+    def paused(self, paused: bool) -> None:
+        self.metrics.set("paused", int(paused))
+
+    def close(self) -> None:
+        self.exporter.stop()
+        self.nvml.close()

@@ -1,0 +1,162 @@
+"""Spike and non-finite detection for one training signal (loss or grad norm), on device.
+
+``SpikeDetector.update`` runs every step with only tensor ops on the signal's device (no host
+sync); ``stats`` packs the results into one float64 tensor that is read once per log interval.
+
+Semantics (the choices the metric catalogue's spike series rest on):
+
+* Window: the last ``window`` values that were finite and not spikes, so an episode cannot
+  normalise itself. Mean and *population* std (divide by n) over the values in it.
+* Detection starts once the window holds ``min_history`` values. zscore mode: spike when
+  ``value > mean + k * std`` (one-sided; with std == 0 any rise above the mean is a spike).
+  ratio mode: spike when ``value >= ratio * mean`` and ``mean > 0`` (a ratio means nothing for a
+  signal whose mean is not positive).
+* zscore: ``(value - mean) / std`` against the window before the value; 0 before
+  ``min_history``, when std == 0 and when the value is non-finite.
+* A non-finite value is not a spike: it counts in ``nonfinite_total`` and stays out of the
+  window, but it is out of band, so it starts (or extends) an episode like a spike does.
+* Episode: starts at an out-of-band step (spike or non-finite); ``duration`` counts its steps
+  from 1; it ends (active and duration back to 0) on the ``recover_steps``-th consecutive
+  in-band step. In-band values inside an episode join the window. ``spikes_total`` counts
+  episodes started by a spike (a non-finite value counts in ``nonfinite_total`` instead).
+  A lasting level shift upward never rejoins the window, so its episode stays active until
+  the signal comes back down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lossguard.agent.config import SpikeConfig
+
+STAT_FIELDS = (
+    "value",
+    "zscore",
+    "spike",
+    "active",
+    "duration",
+    "spikes_total",
+    "nonfinite_total",
+    "nonfinite",
+)
+
+_F64 = torch.float64
+_STATE_KEYS = (
+    "window",
+    "count",
+    "run",
+    "duration",
+    "spikes_total",
+    "nonfinite_total",
+    "value",
+    "mean",
+    "std",
+    "spike",
+    "nonfinite",
+)
+
+
+class SpikeDetector:
+    """Rolling-window spike and non-finite detection for one signal, on device."""
+
+    def __init__(
+        self, cfg: SpikeConfig, device: torch.device | str, *, nonfinite_opens_episode: bool = True
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self._zscore_mode = cfg.mode == "zscore"
+        # False where non-finite values are routine (fp16 grad norms: the GradScaler's overflow
+        # steps): they are counted and kept out of the window, but do not open an episode.
+        self.nonfinite_opens_episode = nonfinite_opens_episode
+
+        def scalar(value: float, dtype: torch.dtype = _F64) -> torch.Tensor:
+            return torch.tensor(value, dtype=dtype, device=self.device)
+
+        # Shift register, oldest first; unfilled slots hold NaN and drop out of the sums.
+        self._window = torch.full((cfg.window,), float("nan"), dtype=_F64, device=self.device)
+        self._count = scalar(0.0)  # values in the window
+        # Consecutive in-band steps since the last out-of-band one; an episode is active while
+        # it is below recover_steps, so it starts there (no episode yet).
+        self._run = scalar(float(cfg.recover_steps))
+        self._duration = scalar(0.0)
+        self._spikes_total = scalar(0.0)
+        self._nonfinite_total = scalar(0.0)
+        # The last step, kept by reference (no copies per step) for stats().
+        self._value = scalar(0.0)
+        self._mean = scalar(0.0)
+        self._std = scalar(0.0)
+        self._spike = scalar(False, torch.bool)
+        self._nonfinite = scalar(False, torch.bool)
+
+    def update(self, value: torch.Tensor) -> torch.Tensor:
+        """Take this step's value (a 1-element tensor); return whether it is non-finite (bool)."""
+        cfg, window, count = self.cfg, self._window, self._count
+        v = value.detach().reshape(()).to(device=self.device, dtype=_F64, copy=True)
+        finite = (v - v) == 0  # isfinite() in 2 kernels instead of 4
+        # Statistics relative to a window value, which keeps the variance exact for a flat
+        # signal. That value is the min_history-th newest: NaN (unfilled) until detection may
+        # start, which makes the mean NaN, so no comparison below is true and no test is needed.
+        shift = window[-cfg.min_history]
+        dev = window - shift  # NaN on the unfilled slots, which nansum leaves out
+        mean_d = dev.nansum() / count
+        var = (dev * dev).nansum().div_(count).sub_(mean_d * mean_d).clamp_min_(0.0)
+        std = var.sqrt_()  # 0 until detection starts (NaN while the window is empty)
+        mean = mean_d.add_(shift)
+        if self._zscore_mode:
+            spike = v > torch.add(mean, std, alpha=cfg.zscore)
+        else:
+            spike = (v >= mean * cfg.ratio).logical_and_(mean > 0)
+        spike.logical_and_(finite)  # +inf is non-finite, not a spike
+        in_band = finite ^ spike  # finite and not a spike (a spike is finite)
+        torch.where(in_band, torch.cat((window[1:], v.reshape(1))), window, out=window)
+        count.add_(in_band).clamp_max_(cfg.window)
+        calm = in_band if self.nonfinite_opens_episode else in_band | ~finite
+        starts = (self._run >= cfg.recover_steps) > calm  # no episode yet, and out of band
+        self._spikes_total.add_(starts & spike)  # a NaN opens an episode but is no spike
+        self._run.add_(1.0).mul_(calm)
+        self._duration.add_(1.0).mul_(self._run < cfg.recover_steps)
+        nonfinite = ~finite
+        self._nonfinite_total.add_(nonfinite)
+        self._value, self._mean, self._std = v, mean, std
+        self._spike, self._nonfinite = spike, nonfinite
+        return nonfinite
+
+    def stats(self) -> torch.Tensor:
+        """The last step's statistics as a 1-D float64 device tensor, in STAT_FIELDS order."""
+        scored = (self._std > 0) & ~self._nonfinite
+        zscore = torch.where(scored, (self._value - self._mean) / self._std, 0.0)
+        active = self._run < self.cfg.recover_steps
+        fields = (
+            self._value,
+            zscore,
+            self._spike,
+            active,
+            self._duration,
+            self._spikes_total,
+            self._nonfinite_total,
+            self._nonfinite,
+        )
+        return torch.stack([f.to(_F64) for f in fields])
+
+    def stats_dict(self) -> dict[str, float]:
+        """``stats()`` read to the host (one sync), keyed by STAT_FIELDS."""
+        return dict(zip(STAT_FIELDS, self.stats().tolist(), strict=True))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of all device state: window, counts, episode and the last step."""
+        return {key: getattr(self, f"_{key}").clone() for key in _STATE_KEYS}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output (from any device); the window size must match."""
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"spike detector state lacks {', '.join(missing)}")
+        shape = tuple(state["window"].shape)
+        if shape != (self.cfg.window,):
+            raise ValueError(f"spike window holds {shape} values, config says {self.cfg.window}")
+        for key in _STATE_KEYS:
+            current: torch.Tensor = getattr(self, f"_{key}")
+            loaded = state[key].detach().to(device=self.device, dtype=current.dtype)
+            setattr(self, f"_{key}", loaded.clone().reshape(current.shape))

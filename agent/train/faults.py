@@ -1,0 +1,125 @@
+"""Fault injection (config ``faults:``) for tests, demos and drills.
+
+Each fault perturbs the real training from step ``step`` for ``duration`` steps; none writes a
+made-up metric value. What the run then reports is what the perturbed training did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from lossguard.agent.config import FaultConfig
+from lossguard.agent.train.data import Batch
+
+log = logging.getLogger("lossguard.agent")
+
+_UNPERTURBED = contextlib.nullcontext()
+
+
+@dataclass(eq=False)
+class FaultInjector:
+    """The configured faults, applied at the trainer's hook points. Each step calls, in order:
+    ``before_step``, ``batches``, ``forward`` (around forward and backward, with ``loss`` on
+    each micro-batch's loss) and ``optimizer_step``. With no fault active a hook only looks
+    at an empty dict: nothing syncs with the device."""
+
+    faults: list[FaultConfig]
+    seed: int
+    vocab_size: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    event: Callable[..., None]
+    step: int = field(default=0, init=False)
+    active: dict[str, FaultConfig] = field(default_factory=dict, init=False)
+    """The faults of ``step``, by kind (of two of a kind, the one configured last)."""
+
+    def before_step(self, step: int) -> None:
+        """Start ``step``: record the faults that begin at it, then crash, hang or stall."""
+        if not self.faults:
+            return
+        self.step = step
+        self.active = {f.kind: f for f in self.faults if f.step <= step < f.step + f.duration}
+        for fault in self.active.values():
+            if fault.step == step:
+                self.event("fault", **fault.model_dump())
+        if "crash" in self.active:
+            crash(step)
+        if "hang" in self.active:
+            hang()
+        if stall := self.active.get("slow_step"):
+            time.sleep(stall.seconds)
+
+    def batches(self, batches: list[Batch]) -> list[Batch]:
+        """The step's batches; uniform random tokens instead during ``corrupt_batch``."""
+        if "corrupt_batch" not in self.active:
+            return batches
+        rng = np.random.default_rng([self.seed, 7919, self.step])
+        corrupted = []
+        for x, _ in batches:
+            window = rng.integers(0, self.vocab_size, size=(x.shape[0], x.shape[1] + 1))
+            corrupted.append((window[:, :-1], window[:, 1:]))
+        return corrupted
+
+    def forward(self) -> contextlib.AbstractContextManager[None]:
+        """Around the forward and backward passes: scales activations during
+        ``scale_activations``."""
+        fault = self.active.get("scale_activations")
+        return scaled_activations(self.model, fault.factor) if fault else _UNPERTURBED
+
+    def loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's (accumulation-scaled) loss; NaN during ``nonfinite_loss``."""
+        return loss * float("nan") if "nonfinite_loss" in self.active else loss
+
+    def optimizer_step(self) -> contextlib.AbstractContextManager[None]:
+        """Around the optimizer step: scales the learning rate during ``lr_scale``."""
+        fault = self.active.get("lr_scale")
+        return scaled_lr(self.optimizer, fault.factor) if fault else _UNPERTURBED
+
+
+@contextlib.contextmanager
+def scaled_activations(model: nn.Module, factor: float) -> Iterator[None]:
+    """Multiply the output of every LayerNorm feeding an attention or MLP block by ``factor``
+    (the inputs of the linear layers, where FP8 casts happen)."""
+    norms = [m for name, m in model.named_modules() if name.endswith(("ln_1", "ln_2"))]
+    handles = [n.register_forward_hook(lambda _m, _i, out: out * factor) for n in norms]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Multiply every parameter group's learning rate for one optimizer step."""
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+    try:
+        yield
+    finally:
+        for group in optimizer.param_groups:
+            group["lr"] /= factor
+
+
+def hang() -> None:
+    """Stop making progress, as a deadlocked job would: only SIGKILL ends it."""
+    log.error("fault: hanging (injected)")
+    threading.Event().wait()
+
+
+def crash(step: int) -> None:
+    """End the process at once, as a hard crash would: no cleanup, no checkpoint."""
+    print(f"lossguard-agent: fault: crashing at step {step} (injected)", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(70)

@@ -1,0 +1,97 @@
+"""Numeric precision: autocast, the fp16 GradScaler, and FP8 training through torchao."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lossguard.agent.config import PrecisionConfig
+from lossguard.common.config import ConfigError
+
+# Autocast dtype per precision; FP8 layers run their matmuls in float8 and the rest in bf16.
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
+FP8_MIN_CAPABILITY = (8, 9)
+FP8_DIM_MULTIPLE = 16
+FP8_EXCLUDED_MODULES = frozenset({"lm_head"})
+
+
+class PrecisionError(ConfigError):
+    """The requested precision cannot run on this device."""
+
+
+@contextlib.contextmanager
+def autocast(dtype: str, device: torch.device) -> Iterator[None]:
+    """Autocast for the configured precision (a no-op for fp32)."""
+    amp_dtype = AUTOCAST_DTYPES[dtype]
+    if amp_dtype is None:
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=amp_dtype):
+        yield
+
+
+def make_grad_scaler(dtype: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """A GradScaler for fp16, none otherwise."""
+    return torch.amp.GradScaler(device.type) if dtype == "fp16" else None
+
+
+def check_fp8_supported(device: torch.device) -> None:
+    """Stop at start, clearly, on a CUDA GPU without FP8 tensor cores (below sm_89)."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise PrecisionError(
+            f"precision.dtype: fp8 needs a GPU of compute capability 8.9 or newer "
+            f"(Ada, Hopper, Blackwell); {name} is {capability[0]}.{capability[1]}: "
+            f"use bf16 on this GPU"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_cuda_kernel_warnings(device: torch.device) -> Iterator[None]:
+    """On CPU, torchao's import warns that its CUDA kernels cannot load: true and irrelevant."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    if device.type == "cpu":
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def is_fp8_eligible(module: nn.Module, fqn: str) -> bool:
+    """Linear layers whose dimensions FP8 kernels accept; never the output head."""
+    if not isinstance(module, nn.Linear) or fqn.split(".")[-1] in FP8_EXCLUDED_MODULES:
+        return False
+    return module.in_features % FP8_DIM_MULTIPLE == 0 and (
+        module.out_features % FP8_DIM_MULTIPLE == 0
+    )
+
+
+def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig, device: torch.device) -> int:
+    """Swap eligible nn.Linear layers for torchao Float8Linear; returns how many were swapped."""
+    check_fp8_supported(device)
+    with _quiet_cuda_kernel_warnings(device):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig.from_recipe_name(cfg.fp8_recipe),
+        module_filter_fn=is_fp8_eligible,
+    )
+    return sum(isinstance(m, Float8Linear) for m in model.modules())

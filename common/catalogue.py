@@ -1,0 +1,78 @@
+"""The agent's metric catalogue (DESIGN.md "Metric catalogue"): every series the agent exports,
+with its type, help and labels. The agent registers it; the monitor, the rules and the dashboards
+read these names, so a metric is declared here once.
+"""
+
+from __future__ import annotations
+
+PREFIX = "lossguard_"
+BASE_LABELS = ("run_id", "rank")
+SIGNALS = ("loss", "grad_norm")
+FP8_TENSORS = ("input", "weight", "grad_output")
+MEMORY_KINDS = ("allocated", "reserved", "peak_allocated")
+CHECKPOINT_KINDS = ("latest", "best", "last_good")
+
+
+# name (without prefix) -> (type, help, extra label names)
+CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "run_info": (
+        "gauge",
+        "What is running (value 1).",
+        ("model", "precision", "device", "world_size", "version", "git_commit"),
+    ),
+    "step": ("gauge", "Last completed optimizer step.", ()),
+    "step_target": ("gauge", "Planned last step.", ()),
+    "tokens": ("counter", "Tokens trained on by this rank.", ()),
+    "last_step_timestamp_seconds": ("gauge", "Wall time of the last completed step.", ()),
+    "step_duration_seconds": ("histogram", "Step wall time, measured on the host.", ()),
+    "tokens_per_second": ("gauge", "Tokens per second over the last log interval.", ()),
+    "model_flops_per_second": ("gauge", "Model FLOP/s over the last log interval.", ()),
+    "mfu_ratio": ("gauge", "Model FLOPs utilisation against the dense peak.", ()),
+    "peak_flops": ("gauge", "Dense peak FLOP/s that MFU is taken against.", ("source",)),
+    "train_loss": ("gauge", "Mean training loss over the last log interval.", ()),
+    "val_loss": ("gauge", "Last validation loss.", ()),
+    "learning_rate": ("gauge", "Learning rate of the first parameter group.", ()),
+    "grad_norm": ("gauge", "Global gradient norm before clipping, last step.", ()),
+    "amp_loss_scale": ("gauge", "fp16 GradScaler loss scale.", ()),
+    "loss_zscore": ("gauge", "Last loss against the rolling window, in std.", ()),
+    "grad_norm_zscore": ("gauge", "Last grad norm against the rolling window, in std.", ()),
+    "spikes": ("counter", "Spike episodes started.", ("signal",)),
+    "spike_active": ("gauge", "1 while a spike episode is unrecovered.", ("signal",)),
+    "spike_duration_steps": ("gauge", "Length of the current spike episode.", ("signal",)),
+    "nonfinite": ("counter", "Non-finite values seen.", ("signal",)),
+    "skipped_steps": ("counter", "Optimizer updates skipped (non-finite step).", ()),
+    "fp8_amax": ("gauge", "FP8 amax, worst Float8Linear layer.", ("tensor",)),
+    "fp8_overflow_ratio": ("gauge", "Fraction saturating in FP8, worst layer.", ("tensor",)),
+    "fp8_underflow_ratio": ("gauge", "Fraction flushed to zero in FP8, worst layer.", ("tensor",)),
+    "device_memory_bytes": ("gauge", "Device memory (host RSS on CPU).", ("kind",)),
+    "device_memory_limit_bytes": ("gauge", "Device memory capacity.", ()),
+    "memory_alloc_retries": ("counter", "CUDA allocator retries after a failed allocation.", ()),
+    "oom": ("counter", "CUDA out-of-memory errors.", ()),
+    "gpu_utilization_ratio": ("gauge", "NVML GPU utilisation.", ()),
+    "gpu_power_watts": ("gauge", "NVML power draw.", ()),
+    "gpu_temperature_celsius": ("gauge", "NVML GPU temperature.", ()),
+    "checkpoint_step": ("gauge", "Step of the latest, best and last good checkpoint.", ("kind",)),
+    "checkpoint_timestamp_seconds": ("gauge", "Wall time of the last completed checkpoint.", ()),
+    "checkpoint_in_progress": ("gauge", "1 while a checkpoint is being written.", ()),
+    "checkpoint_save_duration_seconds": ("histogram", "Checkpoint save wall time.", ()),
+    "rollbacks": ("counter", "Rollbacks applied.", ()),
+    "control_commands": ("counter", "Control commands by outcome.", ("command", "result")),
+    "paused": ("gauge", "1 while training is paused.", ()),
+    "grad_layer_norm": ("gauge", "Gradient L2 norm of the top-k layers.", ("layer",)),
+    "grad_vanishing_layers": ("gauge", "Layers with a vanishing gradient.", ()),
+    "grad_exploding_layers": ("gauge", "Layers with an exploding gradient.", ()),
+    "grad_dead_neuron_ratio": ("gauge", "Largest fraction of rows with all-zero gradient.", ()),
+}
+NVML_METRICS = ("gpu_utilization_ratio", "gpu_power_watts", "gpu_temperature_celsius")
+
+
+def exposed_name(name: str) -> str:
+    """The series name as scraped: counters gain ``_total``."""
+    kind = CATALOGUE[name][0]
+    return PREFIX + name + ("_total" if kind == "counter" else "")
+
+
+# Series the monitor reads by name (what a notification says about a run).
+STEP = exposed_name("step")
+ROLLBACKS_TOTAL = exposed_name("rollbacks")
+SKIPPED_STEPS_TOTAL = exposed_name("skipped_steps")

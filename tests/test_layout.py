@@ -1,0 +1,85 @@
+"""The shape of the house: no import circles, and the torch-free side stays torch-free."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "common": "lossguard.common",
+    "agent": "lossguard.agent",
+    "monitor": "lossguard.monitor",
+}
+
+
+def module_files() -> dict[str, Path]:
+    """Every lossguard module, by dotted name."""
+    modules = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
+    """The lossguard modules that ``path`` imports anywhere in it (function bodies and
+    TYPE_CHECKING blocks included: a circle through either is still a circle)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}".rstrip(".")
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in known else base)
+    return {module for module in found if module in known and module != name}
+
+
+def test_no_import_circles() -> None:
+    modules = module_files()
+    graph = {name: imported_modules(path, name, set(modules)) for name, path in modules.items()}
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
+def test_the_circle_check_sees_a_circle(tmp_path: Path) -> None:
+    """The check itself can fail: two modules that import each other form a circle."""
+    (tmp_path / "a.py").write_text("from lossguard.agent.b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    from lossguard.agent.a import y\n")
+    known = {"lossguard.agent.a", "lossguard.agent.b"}
+    graph = {
+        "lossguard.agent.a": imported_modules(tmp_path / "a.py", "lossguard.agent.a", known),
+        "lossguard.agent.b": imported_modules(tmp_path / "b.py", "lossguard.agent.b", known),
+    }
+    with pytest.raises(graphlib.CycleError):
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+
+
+def test_monitor_and_common_never_import_torch() -> None:
+    names = [n for n in module_files() if not n.startswith("lossguard.agent")]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    assert 'torch' not in sys.modules, name + ' imported torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
