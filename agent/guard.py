@@ -32,7 +32,7 @@ from torch import nn
 from lossguard.agent.checkpoint.meta import CheckpointMeta
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
-from lossguard.agent.control.commands import CommandRunner
+from lossguard.agent.control.commands import CommandRunner, answered_before
 from lossguard.agent.control.server import ControlServer, serve_control
 from lossguard.agent.distributed import (
     control_group,
@@ -165,7 +165,12 @@ class Guard:
         continuing = (self.path / "config.yaml").exists()
         self.run_dir = RunDirectory(self.path)
         # these fail before any file is written
-        self.control = serve_control(self.config.control, self.path, self._record_rejected)
+        self.control = serve_control(
+            self.config.control,
+            self.path,
+            self._record_rejected,
+            answered=answered_before(self.run_dir.read_events()),
+        )
         self.sinks.append(MetricsLogSink(self.run_dir.metrics))
         if self.config.wandb.enabled:
             from lossguard.agent.telemetry.wandb_logger import WandbLogger

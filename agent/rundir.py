@@ -93,6 +93,21 @@ class RunDirectory:
         self.metrics = JsonlLog(self.path / "metrics.jsonl")
         self.events = JsonlLog(self.path / "events.jsonl")
 
+    def read_events(self) -> list[dict[str, Any]]:
+        """The audit trail so far; a line torn by a crash is left out."""
+        path = self.path / "events.jsonl"
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
     def write_config(self, resolved: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(dict(resolved), sort_keys=False)
         write_atomically(self.path / "config.yaml", text)

@@ -13,7 +13,7 @@ from lossguard.common.config import ConfigError, Section, field_error, read_conf
 from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.validation import http_url, seconds
 
-DEFAULT_PORT = 9411
+DEFAULT_PORT = 9409
 
 
 class _Durations(Section):

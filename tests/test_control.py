@@ -17,6 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lossguard.agent.control.commands import answered_before
+from lossguard.agent.rundir import RunDirectory
 from lossguard.common.control_client import ControlClient, ControlError
 from lossguard.common.protocol import MAX_LINE_BYTES
 
@@ -299,3 +301,41 @@ def test_listen_failures_name_their_endpoint(tmp_path: Path) -> None:
         assert not (tmp_path / "c.sock").exists()  # the socket it did bind is cleaned up
     finally:
         taken.close()
+
+
+def test_applied_commands_are_read_back_from_the_audit_trail(tmp_path: Path) -> None:
+    """What a restarted agent remembers: applied commands with their replies; not requests
+    refused before they were queued, nor a line torn by a crash."""
+    lines = [
+        {"event": "start", "step": 0},
+        {
+            "event": "command",
+            "id": "a",
+            "cmd": "pause",
+            "args": {},
+            "ok": True,
+            "result": {"step": 3, "paused": True},
+        },
+        {
+            "event": "command",
+            "id": "b",
+            "ok": False,
+            "error": {"code": "unauthorized", "message": "a valid token is required over TCP"},
+        },
+        {
+            "event": "command",
+            "id": "c",
+            "cmd": "rollback",
+            "args": {"target": 9},
+            "ok": False,
+            "error": {"code": "not_found", "message": "no checkpoint at step 9"},
+        },
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines) + '{"event": "command", "id": "d'
+    (tmp_path / "events.jsonl").write_text(text)
+    answered = answered_before(RunDirectory(tmp_path).read_events())
+    replies = {p.request.id: p.wait(threading.Event()) for p in answered}
+    assert replies == {
+        "a": {"id": "a", "ok": True, "result": {"step": 3, "paused": True}},
+        "c": {"id": "c", "ok": False, "error": lines[3]["error"]},
+    }

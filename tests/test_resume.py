@@ -166,6 +166,31 @@ def test_stop_command_saves_and_exits_cleanly(tmp_path: Path, corpus_cache: Path
     assert json.loads((run_dir / "agent.json").read_text())["exit"] == "stopped"
 
 
+def test_an_applied_request_id_is_not_applied_again_after_a_restart(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    """A client that retries a command after the agent crashed and was resumed gets the first
+    reply; the command is not applied a second time."""
+    agent, run_dir = start_long_run(tmp_path, corpus_cache)
+    with client(run_dir) as ctl:
+        first = ctl.request("set_lr_scale", {"scale": 0.5}, request_id="once")
+    agent.send_signal(signal.SIGKILL)
+    assert agent.wait(30) == -signal.SIGKILL
+
+    resumed = start_agent(tmp_path / "c.yaml", "--resume", "latest")
+    wait_for(lambda: any(e["event"] == "resumed" for e in events(run_dir)), 120, "the resume")
+    with client(run_dir) as ctl:
+        again = ctl.request("set_lr_scale", {"scale": 0.25}, request_id="once")
+        status = ctl.request("status")
+        ctl.request("stop")
+    _, stderr = resumed.communicate(timeout=60)
+    assert resumed.returncode == 0, stderr
+    assert again == first == {"lr_scale": 0.5, "lr": first["lr"]}
+    assert status["lr_scale"] != 0.25
+    applied = [e for e in events(run_dir) if e["event"] == "command" and e["id"] == "once"]
+    assert len(applied) == 1
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_preemption_signal_saves_then_exits_zero(
     tmp_path: Path, corpus_cache: Path, signum: signal.Signals

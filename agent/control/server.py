@@ -15,7 +15,7 @@ import socket
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,13 @@ class PendingCommand:
         self.request = request
         self._done = threading.Event()
         self._reply: dict[str, Any] | None = None
+
+    @classmethod
+    def answered(cls, request: Request, reply: dict[str, Any]) -> PendingCommand:
+        """A command applied earlier (by a previous process of this run): its reply is known."""
+        pending = cls(request)
+        pending.resolve(reply)
+        return pending
 
     def resolve(self, reply: dict[str, Any]) -> None:
         if not self._done.is_set():
@@ -92,7 +99,10 @@ class ControlServer:
         tcp: tuple[str, int] | None = None,
         token: str | None = None,
         on_reject: RejectHook | None = None,
+        answered: Iterable[PendingCommand] = (),
     ) -> None:
+        """``answered``: commands applied before this server started, whose ids are answered
+        from their results and never applied again."""
         if tcp is not None and not token:
             raise ValueError("a TCP control listener needs a token")
         self.socket_path = socket_path
@@ -103,7 +113,10 @@ class ControlServer:
         self._lock = threading.Lock()
         self._queued: list[PendingCommand] = []
         self._queued_signal = threading.Condition(self._lock)
-        self._by_id: OrderedDict[str, PendingCommand] = OrderedDict()
+        self._by_id: OrderedDict[str, PendingCommand] = OrderedDict(
+            (pending.request.id, pending) for pending in answered
+        )
+        self._forget_oldest()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         if socket_path is not None:
             self._listeners.append((_bind_unix(socket_path), False))
@@ -213,11 +226,14 @@ class ControlServer:
                 )
             pending = PendingCommand(request)
             self._by_id[request.id] = pending
-            while len(self._by_id) > REMEMBERED_IDS:
-                self._by_id.popitem(last=False)
+            self._forget_oldest()
             self._queued.append(pending)
             self._queued_signal.notify_all()
             return pending
+
+    def _forget_oldest(self) -> None:
+        while len(self._by_id) > REMEMBERED_IDS:
+            self._by_id.popitem(last=False)
 
 
 def _token_matches(given: str | None, expected: str | None) -> bool:
@@ -292,7 +308,10 @@ def socket_is_live(path: Path) -> bool:
 
 
 def serve_control(
-    config: ControlConfig, run_dir: Path, on_reject: RejectHook | None = None
+    config: ControlConfig,
+    run_dir: Path,
+    on_reject: RejectHook | None = None,
+    answered: Iterable[PendingCommand] = (),
 ) -> ControlServer | None:
     """Start the control server that ``config`` asks for (None: neither socket nor TCP).
     A listener that cannot start is a ConfigError that names the key."""
@@ -308,6 +327,7 @@ def serve_control(
             tcp=tcp,
             token=os.environ.get(config.token_env) if tcp else None,
             on_reject=on_reject,
+            answered=answered,
         )
     except ListenError as exc:
         raise ConfigError(f"control.{exc.endpoint}: {exc}") from None
