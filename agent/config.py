@@ -249,7 +249,7 @@ class Config(Section):
 
 def parse_config(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
     """Validate plain data (plus overrides) into a Config, or raise ConfigError."""
-    return validate(Config, data, overrides)
+    return validate(Config, json.loads(json.dumps(dict(data), default=str)), overrides)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:

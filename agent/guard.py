@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lossguard.agent.checkpoint.meta import CheckpointMeta
+from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, CheckpointMeta
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner, answered_before
@@ -186,7 +186,7 @@ class Guard:
         self.run_dir.write_config(self.config.resolved())
         self.run_dir.write_env(device_description(self.device), self.world_size)
         self.checkpoints = CheckpointStore(
-            self.path / "checkpoints",
+            self.path / CHECKPOINT_DIR,
             keep_last=self.config.checkpoint.keep_last,
             config_hash=self.config.digest(),
             versions=package_versions(),
@@ -221,6 +221,10 @@ class Guard:
         """The loop should end: stopped by a command or signal, or a restore failed halfway
         (its state is a mix of two checkpoints and must not train on)."""
         return self._stop or self.recovery.state_mixed
+
+    @stop_requested.setter
+    def stop_requested(self, stop: bool) -> None:
+        self._stop = stop
 
     def request_stop(self) -> None:
         self._stop = True

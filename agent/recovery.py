@@ -80,13 +80,14 @@ def is_optional(state_name: str) -> bool:
     return state_name.startswith(DETECTOR_STATE)
 
 
-def _upgraded(payload: dict[str, Any]) -> dict[str, Any]:
-    """A payload in the current format; format 1 kept the progress beside the state."""
+def _upgraded(payload: dict[str, Any], name: str) -> dict[str, Any]:
+    """Checkpoint ``name``'s payload in the current format; format 1 kept the progress beside
+    the state."""
     version = payload.get("format", 1)
     if version == CHECKPOINT_FORMAT:
         return payload
     if version != 1:
-        raise RestoreError(f"checkpoint format {version} is newer than this lossguard reads")
+        raise RestoreError(f"{name}: checkpoint format {version} is newer than this lossguard")
     progress = {key: payload[key] for key in ("step", "tokens", "lr_scale")}
     return {**payload, "state": {**payload["state"], PROGRESS_STATE: progress}}
 
@@ -220,13 +221,14 @@ class Recovery:
             self.store.wait()
             try:
                 meta, payload = self.store.load(target)
-                loaded = [{"meta": meta, "payload": _upgraded(payload)}]
+                loaded = [{"meta": meta, "payload": payload}]
             except Exception as exc:
                 loaded = [f"{exc}"]
         loaded = broadcast_objects(loaded, self.group)
         if isinstance(loaded[0], str):
             raise RestoreError(loaded[0], not_found=True)
-        meta, payload = loaded[0]["meta"], loaded[0]["payload"]
+        meta = loaded[0]["meta"]
+        payload = _upgraded(loaded[0]["payload"], meta.name)
         missing = sorted(n for n in set(self.state) - set(payload["state"]) if not is_optional(n))
         if missing:
             raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
@@ -241,16 +243,16 @@ class Recovery:
             raise RestoreError(
                 f"{meta.name} failed halfway ({why}); training stops to protect the run"
             ) from failure
+        self.last_saved_step = self.progress.step
+        self.on_restored(meta)
         if skip_batches:
             data.skip(skip_batches)  # type: ignore[union-attr]
-        self.last_saved_step = self.progress.step
         if self.store is not None:  # later checkpoints belong to the timeline we left
             left = self.store.supersede_after(meta)
             if left:
                 self.event("superseded", checkpoints=left, restored=meta.name)
             if self.telemetry is not None:
                 self.telemetry.checkpoint_finished(None, self.store.named())
-        self.on_restored(meta)
         return meta
 
     def rollback(self, target: Target, *, skip_batches: int, lr_scale: float) -> dict[str, Any]:
@@ -280,10 +282,8 @@ class Recovery:
         """Multiply the learning rate by ``scale`` relative to the schedule, from now on: the
         optimizer's current rates and the scheduler's base rates alike."""
         ratio = scale / self.progress.lr_scale
-        optimizer = self.state.get("optimizer")
-        if isinstance(optimizer, torch.optim.Optimizer):
-            for group in optimizer.param_groups:
-                group["lr"] *= ratio
+        for group in getattr(self.state.get("optimizer"), "param_groups", ()):
+            group["lr"] *= ratio
         scheduler = self.state.get("scheduler")
         base_lrs = getattr(scheduler, "base_lrs", None)
         if base_lrs is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 AGENT_FILE = "agent.json"
 
@@ -32,7 +32,7 @@ class AgentInfo:
     world_size: int = 1
     version: str | None = None
     finished_at: float | None = None
-    exit: RunExit | None = None
+    exit: str | None = None  # a RunExit from this agent; another version may write others
 
     @property
     def ended_cleanly(self) -> bool:
@@ -75,9 +75,6 @@ class AgentInfo:
         started_at = info.get("started_at", 0.0)
         if not isinstance(started_at, int | float):
             raise ValueError("started_at: expected a number")
-        exit = info.get("exit")
-        if exit is not None and exit not in get_args(RunExit):
-            raise ValueError(f"exit: expected one of {', '.join(get_args(RunExit))}")
         return cls(
             run_id=_field(info, "run_id", str),
             metrics_urls=tuple(urls),
@@ -88,7 +85,7 @@ class AgentInfo:
             world_size=_optional(info, "world_size", int) or 1,
             version=_optional(info, "version", str),
             finished_at=_optional(info, "finished_at", float),
-            exit=exit,
+            exit=_optional(info, "exit", str),
         )
 
 
@@ -100,8 +97,9 @@ def _field(info: dict[str, Any], name: str, kind: type) -> Any:
 
 
 def _optional(info: dict[str, Any], name: str, kind: type) -> Any:
-    if info.get(name) is None:
-        return None
-    if kind is float and isinstance(info[name], int):
-        return float(info[name])
-    return _field(info, name, kind)
+    """A field discovery does not need: absent or of another type, it is None (a run is
+    watched whatever else its agent.json holds)."""
+    value = info.get(name)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None

@@ -6,7 +6,6 @@ Every error names the full key path and the reason on one line, e.g. ``train.lr:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -145,8 +144,9 @@ SectionT = TypeVar("SectionT", bound=BaseModel)
 def validate(
     model: type[SectionT], data: Mapping[str, Any], overrides: Sequence[str] = ()
 ) -> SectionT:
-    """Validate plain data (plus ``--set`` overrides) into ``model``, or raise ConfigError."""
-    merged = apply_overrides(json.loads(json.dumps(dict(data), default=str)), overrides)
+    """Validate ``data`` (plus ``--set`` overrides, applied to it in place) into ``model``, or
+    raise ConfigError."""
+    merged = apply_overrides(dict(data), overrides)
     try:
         return model.model_validate(merged)
     except ValidationError as exc:

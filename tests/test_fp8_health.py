@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from lossguard.agent.config import ModelConfig, PrecisionConfig
+from lossguard.agent.precision import convert_to_fp8
 from lossguard.agent.telemetry.fp8_health import STATS, TENSORS, Fp8Health
 from lossguard.agent.train.model import GPT, Block
-from lossguard.agent.train.precision import convert_to_fp8
 
 from .conftest import count_host_reads
 

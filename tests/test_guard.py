@@ -270,7 +270,9 @@ def test_a_format_1_checkpoint_still_restores(tmp_path: Path) -> None:
 def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path: Path) -> None:
     guard, folder = saved_after_three_steps(tmp_path / "run")
     rewrite_state(folder, lambda state: {**state, "format": 99})
-    with pytest.raises(RestoreError, match="checkpoint format 99 is newer than this lossguard"):
+    newer = "step_00000003: checkpoint format 99 is newer than this lossguard"
+    with pytest.raises(RestoreError, match=newer) as refused:
         guard.restore(3)
+    assert not refused.value.not_found  # a rollback answers "failed", not "not_found"
     assert guard.step == 3 and not guard.stop_requested
     guard.close()

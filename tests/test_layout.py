@@ -83,3 +83,17 @@ def test_monitor_and_common_never_import_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_built_in_trainer_sits_on_top_of_guard() -> None:
+    """Guard in a user's own loop needs nothing of the built-in trainer: outside ``train/``,
+    no agent module imports it but ``lossguard-agent`` (``agent/cli.py``), which runs it."""
+    modules = module_files()
+    trainer = "lossguard.agent.train"
+    command = "lossguard.agent.cli"
+    offending = {
+        name: sorted(m for m in imported_modules(path, name, set(modules)) if m.startswith(trainer))
+        for name, path in modules.items()
+        if name.startswith("lossguard.agent") and not name.startswith((trainer, command))
+    }
+    assert {name: found for name, found in offending.items() if found} == {}

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from lossguard.agent.config import ModelConfig, PrecisionConfig
-from lossguard.agent.train.model import GPT, MLP
-from lossguard.agent.train.precision import (
+from lossguard.agent.precision import (
     PrecisionError,
     check_fp8_supported,
     convert_to_fp8,
     is_fp8_eligible,
 )
+from lossguard.agent.train.model import GPT, MLP
 
 CFG = ModelConfig(n_layer=3, n_head=2, n_embd=32, block_size=16)
 

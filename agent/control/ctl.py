@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from lossguard.common.console import format_duration
 from lossguard.common.control_client import (
     ControlClient,
@@ -21,12 +22,9 @@ from lossguard.common.control_client import (
 )
 from lossguard.common.protocol import COMMAND_ARGS, SOCKET_NAME, ProtocolError, validate_args
 
-EXIT_OK = 0
 EXIT_REFUSED = 1
-EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_TIMEOUT = 4
-EXIT_INTERRUPTED = 130
 DEFAULT_TOKEN_ENV = "LOSSGUARD_CONTROL_TOKEN"
 
 EPILOG = f"""\

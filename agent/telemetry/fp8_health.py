@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lossguard.agent.train.precision import _quiet_cuda_kernel_warnings
+from lossguard.agent.precision import quiet_cuda_kernel_warnings
 
 TENSORS = ("input", "weight", "grad_output")
 STATS = ("amax", "overflow", "underflow")
@@ -132,7 +132,7 @@ class Fp8Health:
 
     def __init__(self, model: nn.Module, recipe: str) -> None:
         device = next(model.parameters(), torch.empty(0)).device
-        with _quiet_cuda_kernel_warnings(device):
+        with quiet_cuda_kernel_warnings(device):
             from torchao.float8 import Float8LinearConfig
             from torchao.float8.float8_linear import Float8Linear
 

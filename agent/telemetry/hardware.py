@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from lossguard.agent.precision import AUTOCAST_DTYPES
 from lossguard.agent.telemetry.gpu_peaks import lookup_gpu, matmul_precision
-from lossguard.agent.train.precision import AUTOCAST_DTYPES
 
 log = logging.getLogger("lossguard.agent")
 

@@ -27,12 +27,12 @@ from lossguard.agent.distributed import (
     teardown_distributed,
 )
 from lossguard.agent.guard import Guard
+from lossguard.agent.precision import autocast, convert_to_fp8, make_grad_scaler
 from lossguard.agent.train.data import Batch, BatchSampler, load_data
 from lossguard.agent.train.faults import FaultInjector
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.optim import WeightEma, build_optimizer, build_scheduler
-from lossguard.agent.train.precision import autocast, convert_to_fp8, make_grad_scaler
 from lossguard.common.config import ConfigError
 from lossguard.common.protocol import SOCKET_NAME, Target
 

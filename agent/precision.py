@@ -59,7 +59,7 @@ def check_fp8_supported(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_cuda_kernel_warnings(device: torch.device) -> Iterator[None]:
+def quiet_cuda_kernel_warnings(device: torch.device) -> Iterator[None]:
     """On CPU, torchao's import warns that its CUDA kernels cannot load: true and irrelevant."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
@@ -85,7 +85,7 @@ def is_fp8_eligible(module: nn.Module, fqn: str) -> bool:
 def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig, device: torch.device) -> int:
     """Swap eligible nn.Linear layers for torchao Float8Linear; returns how many were swapped."""
     check_fp8_supported(device)
-    with _quiet_cuda_kernel_warnings(device):
+    with quiet_cuda_kernel_warnings(device):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
