@@ -34,10 +34,7 @@ from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner, answered_before
 from lossguard.agent.control.server import ControlServer, serve_control
-from lossguard.agent.distributed import (
-    control_group,
-    rank_and_world,
-)
+from lossguard.agent.distributed import control_group, rank_and_world
 from lossguard.agent.recovery import (
     DETECTOR_STATE,
     PROGRESS_STATE,
@@ -225,9 +222,6 @@ class Guard:
     @stop_requested.setter
     def stop_requested(self, stop: bool) -> None:
         self._stop = stop
-
-    def request_stop(self) -> None:
-        self._stop = True
 
     # ----------------------------------------------------------------- the per-step API
 

@@ -1,9 +1,15 @@
 """The agent's metric catalogue (DESIGN.md "Metric catalogue"): every series the agent exports,
 with its type, help and labels. The agent registers it; the monitor, the rules and the dashboards
-read these names, so a metric is declared here once.
+read these names, so a metric is declared here once. The monitor's own catalogue has the same
+shape; ``register_metric`` puts an entry of either on a registry.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 PREFIX = "lossguard_"
 BASE_LABELS = ("run_id", "rank")
@@ -76,3 +82,20 @@ def exposed_name(name: str) -> str:
 STEP = exposed_name("step")
 ROLLBACKS_TOTAL = exposed_name("rollbacks")
 SKIPPED_STEPS_TOTAL = exposed_name("skipped_steps")
+
+
+def register_metric(
+    kind: str,
+    name: str,
+    doc: str,
+    labels: tuple[str, ...],
+    registry: CollectorRegistry,
+    buckets: Sequence[float] | None = None,
+) -> MetricWrapperBase:
+    """A catalogue entry (``kind``: gauge, counter or histogram, which needs ``buckets``) as a
+    metric on ``registry``."""
+    if kind == "histogram":
+        assert buckets is not None, f"{name}: a histogram needs buckets"
+        return Histogram(name, doc, labels, registry=registry, buckets=buckets)
+    metric_class = {"gauge": Gauge, "counter": Counter}[kind]
+    return metric_class(name, doc, labels, registry=registry)

@@ -17,6 +17,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
+from lossguard.common.catalogue import register_metric
 from lossguard.monitor.notify.model import Notification
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore
 from lossguard.monitor.rules.alerting import RuleAlerts
@@ -53,7 +54,6 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
 }
 BUCKETS = {"rule_evaluation_duration_seconds": EVAL_BUCKETS}
-KINDS: dict[str, type[Counter] | type[Gauge]] = {"counter": Counter, "gauge": Gauge}
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -64,7 +64,12 @@ class MonitorMetrics:
     def __init__(self) -> None:
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
-        self._metrics = {name: self._register(name, *entry) for name, entry in CATALOGUE.items()}
+        self._metrics = {
+            name: register_metric(
+                kind, PREFIX + name, doc, labels, self.registry, BUCKETS.get(name)
+            )
+            for name, (kind, doc, labels) in CATALOGUE.items()
+        }
         ProcessCollector(registry=self.registry)
         self.alerts = self.metric(Gauge, "alerts")
         self.target_up = self.metric(Gauge, "target_up")
@@ -79,15 +84,6 @@ class MonitorMetrics:
         self.dead_letters = self.metric(Gauge, "outbox_dead_letters")
         self._seen_alerts: set[tuple[str, str]] = set()
         self._seen_targets: set[str] = set()
-
-    def _register(
-        self, name: str, kind: str, doc: str, labels: tuple[str, ...]
-    ) -> MetricWrapperBase:
-        if kind == "histogram":
-            return Histogram(
-                PREFIX + name, doc, labels, registry=self.registry, buckets=BUCKETS[name]
-            )
-        return KINDS[kind](PREFIX + name, doc, labels, registry=self.registry)
 
     def metric(self, kind: type[M], name: str) -> M:
         """The catalogue metric ``name`` (without prefix), checked to be a ``kind``."""

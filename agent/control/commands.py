@@ -31,6 +31,9 @@ class Controllable(Protocol):
     def step(self) -> int: ...
     @property
     def lr_scale(self) -> float: ...
+
+    stop_requested: bool
+
     def status(self) -> dict[str, Any]: ...
     def learning_rate(self) -> float | None: ...
     def save(
@@ -39,7 +42,6 @@ class Controllable(Protocol):
     def rollback(self, target: Target, *, skip_batches: int, lr_scale: float) -> dict[str, Any]: ...
     def set_paused(self, paused: bool) -> None: ...
     def set_lr_scale(self, scale: float) -> None: ...
-    def request_stop(self) -> None: ...
     def event(self, kind: str, /, **fields: Any) -> None: ...
 
 
@@ -67,7 +69,7 @@ def answered_before(events: Iterable[Mapping[str, Any]]) -> list[PendingCommand]
         if event["ok"]:
             reply = ok_reply(request.id, event["result"])
         else:
-            reply = {"id": request.id, "ok": False, "error": event["error"]}
+            reply = {"id": request.id, "ok": False, "error": event["error"]}  # as it was sent
         answered.append(PendingCommand.answered(request, reply))
     return answered[-REMEMBERED_IDS:]
 
@@ -214,7 +216,7 @@ class CommandRunner:
             saved[0] = None if isinstance(result, BaseException) else result.name
 
         target.save(reason, wait=True, on_done=done)
-        target.request_stop()
+        target.stop_requested = True
         target.set_paused(False)
         log.info("stopping at step %d (%s)", target.step, reason)
         if reply is not None:

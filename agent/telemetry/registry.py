@@ -12,16 +12,20 @@ from typing import Any
 from prometheus_client import (
     GC_COLLECTOR,
     CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from lossguard.common.catalogue import BASE_LABELS, CATALOGUE, NVML_METRICS, PREFIX, SIGNALS
+from lossguard.common.catalogue import (
+    BASE_LABELS,
+    CATALOGUE,
+    NVML_METRICS,
+    PREFIX,
+    SIGNALS,
+    register_metric,
+)
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -45,7 +49,10 @@ class AgentMetrics:
             if name in NVML_METRICS and not nvml:
                 continue  # cleanly absent where there is no GPU
             labels = BASE_LABELS + extra
-            self._metrics[name] = _make(kind, PREFIX + name, doc, labels, self.registry)
+            buckets = SAVE_BUCKETS if "checkpoint" in name else STEP_BUCKETS
+            self._metrics[name] = register_metric(
+                kind, PREFIX + name, doc, labels, self.registry, buckets
+            )
             if kind == "counter":  # counters start at 0, so rate() and increase() see the first
                 for values in COUNTER_LABELS.get(name, [{}]):
                     self.child(name, **values)
@@ -73,14 +80,3 @@ class AgentMetrics:
     def remove(self, name: str, **labels: str) -> None:
         """Drop one labelled series (bounded cardinality: a layer that left the top-k)."""
         self._metrics[name].remove(*(self.base | labels).values())
-
-
-def _make(
-    kind: str, name: str, doc: str, labels: tuple[str, ...], registry: CollectorRegistry
-) -> MetricWrapperBase:
-    if kind == "gauge":
-        return Gauge(name, doc, labels, registry=registry)
-    if kind == "counter":
-        return Counter(name, doc, labels, registry=registry)
-    buckets = SAVE_BUCKETS if "checkpoint" in name else STEP_BUCKETS
-    return Histogram(name, doc, labels, registry=registry, buckets=buckets)
