@@ -223,6 +223,11 @@ class FaultConfig(Section):
         default=10.0, gt=0.0, description="lr_scale / scale_activations multiplier."
     )
     seconds: float = Field(default=1.0, gt=0.0, description="slow_step: added wall time.")
+    once: bool = Field(
+        default=False,
+        description="A transient fault: it perturbs the first pass over its steps only, not a "
+        "replay of them after a rollback or resume in the same process.",
+    )
 
 
 class Config(Section):

@@ -45,12 +45,18 @@ from lossguard.agent.recovery import (
 )
 from lossguard.agent.rundir import RunDirectory, package_versions
 from lossguard.agent.stop_signals import StopSignals
-from lossguard.agent.telemetry.collector import Telemetry, skips_on_device
+from lossguard.agent.telemetry.collector import (
+    SignalStats,
+    Telemetry,
+    signal_stats,
+    skips_on_device,
+)
+from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
 from lossguard.agent.telemetry.hardware import device_description
-from lossguard.agent.telemetry.interval import DetectionAudit, Interval
+from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
-from lossguard.common.protocol import ErrorCode, Target
+from lossguard.common.protocol import ErrorCode, SkipBatches, Target
 
 
 class Guard:
@@ -99,6 +105,12 @@ class Guard:
         self.signals = StopSignals()
         self.interval = Interval(self.device)
         self._detections = DetectionAudit()
+        self.episode: dict[str, Any] | None = None
+        """The diagnosis of the latest spike episode or non-finite value since the last restore
+        (``telemetry.diagnosis``): the ``status`` command's ``episode``."""
+        self._lr_before: float | None = None  # at the end of the last log interval
+        self._loss_scale_before: float | None = None
+        self._interval_start: tuple[int, int | None] = (0, None)  # (step, data position)
 
         self.path = Path(run_dir)
         self.run_id = self.config.run.id or self.path.name
@@ -123,6 +135,7 @@ class Guard:
             )
             for signal_name, detector in self.telemetry.detectors.items():
                 self.state[f"{DETECTOR_STATE}{signal_name}"] = detector
+        self._interval_start = (self.step, self._data_position())
         if self.rank == 0:
             self._open_run_directory(progress)
         self.recovery = Recovery(
@@ -339,21 +352,68 @@ class Guard:
             "tokens_per_second": totals.tokens / elapsed if elapsed > 0 else 0.0,
             "step_time_seconds": elapsed / totals.steps,
         }
-        data = self.state.get("data")
-        if data is not None and hasattr(data, "position"):
-            record["data_position"] = int(data.position)
+        position = self._data_position()
+        if position is not None:
+            record["data_position"] = position
         if self.scaler is not None:
             record["loss_scale"] = float(self.scaler.get_scale())
         record["skipped_steps"] = int(totals.skipped / self.world_size)
         if self.telemetry is not None:
-            self.telemetry.publish(record, totals.stats, float(totals.local_tokens), elapsed)
-            for event, fields in self._detections.new(record):  # the audit trail
-                self.event(event, **fields)
+            by_signal = self.telemetry.publish(
+                record, totals.stats, float(totals.local_tokens), elapsed
+            )
+            self._audit(by_signal, totals)
         self._emit(record)
         self.interval.reset()
+        self._lr_before = record["lr"]
+        self._loss_scale_before = record.get("loss_scale")
+        self._interval_start = (self.step, position)
         if not math.isfinite(totals.loss_sum) and not self._nonfinite_checkpoint_taken:
             self._nonfinite_checkpoint_taken = True  # kept for post-mortem, marked unhealthy
             self.save("nonfinite", healthy=False)
+
+    def _audit(self, stats: SignalStats, totals: IntervalTotals) -> None:
+        """Audit the spike episodes and non-finite values new since the last read, each with
+        its diagnosis; the most telling one of them becomes ``episode``."""
+        found = self._detections.new(stats)
+        if not found or self.telemetry is None:
+            return
+        context = self._context(totals)
+        candidates = []
+        for event, fields in found:
+            signal_name, nonfinite = fields["signal"], event == "nonfinite"
+            diagnosis = diagnose(signal_name, nonfinite=nonfinite, stats=stats, context=context)
+            self.event(event, **fields, diagnosis=diagnosis)
+            if nonfinite and not self.telemetry.detectors[signal_name].nonfinite_opens_episode:
+                continue  # routine (fp16 GradScaler overflow): no episode
+            rank = (diagnosis["step"], nonfinite, signal_name == "loss")
+            candidates.append((rank, diagnosis))
+        if candidates:
+            self.episode = max(candidates, key=lambda item: item[0])[1]
+
+    def _context(self, totals: IntervalTotals) -> IntervalContext:
+        """What a diagnosis needs beside the detector statistics (at detections only: the
+        loss scale is one more host read)."""
+        grad_norm_max = totals.grad_norm_max / self.world_size
+        fp8 = self.telemetry.fp8_overflow if self.telemetry is not None else None
+        start_step, start_position = self._interval_start
+        return IntervalContext(
+            step=self.step,
+            lr=self.learning_rate(),
+            lr_before=self._lr_before,
+            loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
+            loss_scale_before=self._loss_scale_before,
+            fp16_unscaled=self.config.precision.dtype == "fp16" and self.scaler is None,
+            grad_norm_max=grad_norm_max if math.isfinite(grad_norm_max) else None,
+            fp8_overflow=fp8,
+            start_step=start_step,
+            start_position=start_position,
+            end_position=self._data_position(),
+        )
+
+    def _data_position(self) -> int | None:
+        position = getattr(self.state.get("data"), "position", None)
+        return None if position is None else int(position)
 
     def learning_rate(self) -> float | None:
         if self.optimizer is None:
@@ -388,6 +448,7 @@ class Guard:
             "world_size": self.world_size,
             "pid": os.getpid(),
             "uptime_seconds": time.time() - self.started_at,
+            "episode": self.episode,
         }
 
     def _healthy_now(self) -> bool:
@@ -418,17 +479,44 @@ class Guard:
             on_done=on_done,
         )
 
-    def restore(self, target: Target, *, skip_batches: int = 0) -> dict[str, Any]:
+    def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> dict[str, Any]:
         """Load a checkpoint into every registered state on every rank; then skip batches.
         Returns what was restored: checkpoint name and step. A checkpoint that cannot be
         loaded raises RestoreError and changes nothing; one that fails halfway through being
         applied stops training (its state would be a mix)."""
         meta = self.recovery.restore(target, skip_batches=skip_batches)
+        self._interval_restarts()
         return {"checkpoint": meta.name, "step": self.step}
 
-    def rollback(self, target: Target, *, skip_batches: int, lr_scale: float) -> dict[str, Any]:
-        """Restore ``target``, skip batches and scale the learning rate (``rollback`` command)."""
-        return self.recovery.rollback(target, skip_batches=skip_batches, lr_scale=lr_scale)
+    def rollback(
+        self, target: Target, *, skip_batches: SkipBatches, lr_scale: float
+    ) -> dict[str, Any]:
+        """Restore ``target``, skip batches (``"abandoned"``: those the abandoned steps trained
+        on) and scale the learning rate (``rollback`` command). The answer's ``abandoned`` is
+        the diagnosis of the latest spike or non-finite value of the abandoned steps, or None."""
+        self._catch_up()
+        result = self.recovery.rollback(
+            target, skip_batches=skip_batches, lr_scale=lr_scale, episode=self.episode
+        )
+        self._interval_restarts()
+        return result
+
+    def _catch_up(self) -> None:
+        """Before a rollback: audit what the detectors saw since the last log interval (one
+        collective read), so the steps about to be abandoned have their diagnosis."""
+        if self.telemetry is None or self.interval.steps == 0:
+            return
+        totals = self.interval.read(self.telemetry.stats())
+        self._audit(signal_stats(totals.stats), totals)
+
+    def _interval_restarts(self) -> None:
+        """After a restore (and its skipped batches, and a new lr scale): diagnoses compare
+        with the state training goes on from."""
+        self._lr_before = self.learning_rate()
+        self._loss_scale_before = (
+            float(self.scaler.get_scale()) if self.scaler is not None else None
+        )
+        self._interval_start = (self.step, self._data_position())
 
     def _restored(self, meta: CheckpointMeta) -> None:
         """After a restore: this boundary's bookkeeping is the checkpoint's."""
@@ -437,8 +525,9 @@ class Guard:
         self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
         self._save_due = False
         self.interval.reset()
+        self.episode = None  # a new timeline: what was seen after this step did not happen
         if self.telemetry is not None:  # counters count on from the restored totals
-            self.telemetry.resync_totals()
+            self._detections.resync(self.telemetry.resync_totals(self.step))
 
     def set_paused(self, paused: bool) -> None:
         """Pause or resume at this boundary (every rank, so every rank's gauge says so)."""

@@ -22,7 +22,7 @@ from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.distributed import all_gather_objects, all_reduce_max, broadcast_objects
 from lossguard.agent.rng import capture_rng, restore_rng
 from lossguard.agent.telemetry.collector import Telemetry
-from lossguard.common.protocol import Target
+from lossguard.common.protocol import ABANDONED, SkipBatches, Target
 
 log = logging.getLogger("lossguard.agent")
 
@@ -39,11 +39,13 @@ class Stateful(Protocol):
 
 class RestoreError(RuntimeError):
     """A checkpoint could not be restored; the message names it and why. ``not_found``: no
-    usable checkpoint matched the target."""
+    usable checkpoint matched the target; ``bad_request``: the arguments cannot apply to this
+    run (nothing was loaded)."""
 
-    def __init__(self, message: str, *, not_found: bool = False) -> None:
+    def __init__(self, message: str, *, not_found: bool = False, bad_request: bool = False) -> None:
         super().__init__(message)
         self.not_found = not_found
+        self.bad_request = bad_request
 
 
 class TrainProgress:
@@ -90,6 +92,30 @@ def _upgraded(payload: dict[str, Any], name: str) -> dict[str, Any]:
         raise RestoreError(f"{name}: checkpoint format {version} is newer than this lossguard")
     progress = {key: payload[key] for key in ("step", "tokens", "lr_scale")}
     return {**payload, "state": {**payload["state"], PROGRESS_STATE: progress}}
+
+
+def _position(data: Stateful | None) -> int | None:
+    position = getattr(data, "position", None)
+    return None if position is None else int(position)
+
+
+def _batches_per_step(data: Stateful | None) -> int | None:
+    per_step = getattr(data, "batches_per_step", None)
+    return None if per_step is None else int(per_step)
+
+
+def _abandoned_batches(
+    data: Stateful | None, from_step: int, from_position: int | None, to_step: int
+) -> int:
+    """The batches the abandoned steps trained on: the data position before the restore less
+    the restored one; without a position, the steps rolled back times ``batches_per_step``.
+    Never below 0 (a restore forward, onto a superseded timeline, abandons no batches)."""
+    now = _position(data)
+    if from_position is not None and now is not None:
+        return max(0, from_position - now)
+    per_step = _batches_per_step(data)
+    assert per_step is not None  # checked before anything was loaded
+    return max(0, (from_step - to_step) * per_step)
 
 
 Events = Callable[..., None]
@@ -208,14 +234,27 @@ class Recovery:
             return
         finished(meta)
 
-    def restore(self, target: Target, *, skip_batches: int = 0) -> CheckpointMeta:
+    def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> CheckpointMeta:
         """Load a checkpoint into every registered state on every rank; then skip batches.
         A checkpoint that cannot be loaded raises RestoreError and changes nothing; one that
         fails halfway through being applied raises it with ``state_mixed`` set (its state
         would be a mix: training must stop)."""
+        return self._restore(target, skip_batches)[0]
+
+    def _restore(self, target: Target, skip_batches: SkipBatches) -> tuple[CheckpointMeta, int]:
+        """``restore``; also returns how many batches were skipped."""
         data = self.state.get("data")
         if skip_batches and (data is None or not hasattr(data, "skip")):
-            raise RestoreError("skip_batches needs registered data with a skip() method")
+            raise RestoreError(
+                "skip_batches needs registered data with a skip() method", bad_request=True
+            )
+        from_step, from_position = self.progress.step, _position(data)
+        if skip_batches == ABANDONED and from_position is None and _batches_per_step(data) is None:
+            raise RestoreError(
+                f"skip_batches {ABANDONED!r} needs registered data with a position attribute "
+                "(or a batches_per_step one), to know which batches the abandoned steps used",
+                bad_request=True,
+            )
         loaded: list[Any] = [None]
         if self.store is not None:
             self.store.wait()
@@ -245,29 +284,47 @@ class Recovery:
             ) from failure
         self.last_saved_step = self.progress.step
         self.on_restored(meta)
-        if skip_batches:
-            data.skip(skip_batches)  # type: ignore[union-attr]
+        skip = (
+            skip_batches
+            if isinstance(skip_batches, int)
+            else _abandoned_batches(data, from_step, from_position, self.progress.step)
+        )
+        if skip:
+            data.skip(skip)  # type: ignore[union-attr]
         if self.store is not None:  # later checkpoints belong to the timeline we left
             left = self.store.supersede_after(meta)
             if left:
                 self.event("superseded", checkpoints=left, restored=meta.name)
             if self.telemetry is not None:
                 self.telemetry.checkpoint_finished(None, self.store.named())
-        return meta
+        return meta, skip
 
-    def rollback(self, target: Target, *, skip_batches: int, lr_scale: float) -> dict[str, Any]:
-        """Restore ``target``, pass over ``skip_batches`` batches and multiply the learning-rate
-        scale by ``lr_scale``; audited, and what the ``rollback`` command answers. Under
-        torchrun the answer carries every rank's step and weights digest."""
+    def rollback(
+        self,
+        target: Target,
+        *,
+        skip_batches: SkipBatches,
+        lr_scale: float,
+        episode: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``target``, pass over ``skip_batches`` batches (``"abandoned"``: those the
+        abandoned steps trained on) and multiply the learning-rate scale by ``lr_scale``;
+        audited, and what the ``rollback`` command answers. ``episode``: the diagnosis of the
+        latest spike or non-finite value, answered as ``abandoned`` when it lies in the
+        abandoned steps. Under torchrun the answer carries every rank's step and weights
+        digest."""
         from_step = self.progress.step
-        meta = self.restore(target, skip_batches=skip_batches)
+        meta, skipped = self._restore(target, skip_batches)
         self.set_lr_scale(self.progress.lr_scale * lr_scale)
+        to_step = self.progress.step
+        abandoned = episode if episode is not None and episode["step"] > to_step else None
         result: dict[str, Any] = {
             "from_step": from_step,
-            "to_step": self.progress.step,
+            "to_step": to_step,
             "checkpoint": meta.name,
-            "skipped_batches": skip_batches,
+            "skipped_batches": skipped,
             "lr_scale": self.progress.lr_scale,
+            "abandoned": abandoned,
         }
         if self.world_size > 1:
             model = self.state["model"]

@@ -46,6 +46,11 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "spike_active": ("gauge", "1 while a spike episode is unrecovered.", ("signal",)),
     "spike_duration_steps": ("gauge", "Length of the current spike episode.", ("signal",)),
     "nonfinite": ("counter", "Non-finite values seen.", ("signal",)),
+    "nonfinite_step": (
+        "gauge",
+        "Step of the last non-finite value in this timeline, -1 when none.",
+        ("signal",),
+    ),
     "skipped_steps": ("counter", "Optimizer updates skipped (non-finite step).", ()),
     "fp8_amax": ("gauge", "FP8 amax, worst Float8Linear layer.", ("tensor",)),
     "fp8_overflow_ratio": ("gauge", "Fraction saturating in FP8, worst layer.", ("tensor",)),

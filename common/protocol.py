@@ -1,6 +1,7 @@
 """Control protocol v1 (torch-free): newline-delimited JSON, one request per line, 64 KiB max.
 
     -> {"id": "r1", "cmd": "rollback", "args": {"target": "last_good", "skip_batches": 200}}
+    -> {"id": "r2", "cmd": "rollback", "args": {"skip_batches": "abandoned", "lr_scale": 0.5}}
     <- {"id": "r1", "ok": true, "result": {"from_step": 1840, "to_step": 1600, ...}}
     <- {"id": "r2", "ok": false, "error": {"code": "bad_request", "message": "..."}}
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from lossguard.common.config import describe_validation_error
 
@@ -64,6 +65,23 @@ def parse_target(value: Any) -> Target:
     )
 
 
+ABANDONED: Literal["abandoned"] = "abandoned"
+SkipBatches = int | Literal["abandoned"]
+"""Batches to pass over after a rollback: a count, or ``"abandoned"``: exactly the batches that
+the abandoned steps trained on (the data position before the rollback less the restored one)."""
+
+
+def parse_skip_batches(value: Any) -> SkipBatches:
+    """A count >= 0 or ``"abandoned"``; a count must be a JSON integer, not a string."""
+    if value == ABANDONED:
+        return ABANDONED
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"must be >= 0 or {ABANDONED!r}, not {value}")
+        return value
+    raise ValueError(f"must be an integer >= 0 or {ABANDONED!r}, not {value!r}")
+
+
 def _json_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("must be a number")
@@ -85,7 +103,7 @@ class NoArgs(_Args):
 
 class RollbackArgs(_Args):
     target: Annotated[Target, BeforeValidator(parse_target)] = "last_good"
-    skip_batches: StrictInt = Field(default=0, ge=0)
+    skip_batches: Annotated[SkipBatches, BeforeValidator(parse_skip_batches)] = 0
     lr_scale: JsonNumber = Field(default=1.0, gt=0)
 
 

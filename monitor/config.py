@@ -4,12 +4,16 @@ from the config file's folder, as Prometheus does for its rule files."""
 
 from __future__ import annotations
 
+import ipaddress
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from lossguard.common.config import ConfigError, Section, field_error, read_config_file, validate
+from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.validation import http_url, seconds
 
@@ -78,6 +82,40 @@ class StateConfig(Section):
 class ListenConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    token_env: str = Field(
+        default="LOSSGUARD_MONITOR_TOKEN",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the bearer token that POST "
+        "/api/v1/alertmanager requires (required when host is not a loopback address).",
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only accepts local connections; an empty
+    host, a wildcard address or another name means the network."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def webhook_token(listen: ListenConfig, environ: Mapping[str, str] | None = None) -> str | None:
+    """The Alertmanager webhook's bearer token from ``$listen.token_env`` (None: not set, the
+    webhook takes alerts from any local process). A monitor listening beyond loopback must
+    have one: the webhook makes it roll training back (ConfigError naming the variable)."""
+    token = (os.environ if environ is None else environ).get(listen.token_env, "")
+    if token:
+        return token
+    if not is_loopback(listen.host):
+        raise ConfigError(
+            f"listen.token_env: ${listen.token_env} is not set, but listen.host {listen.host!r} "
+            "is not a loopback address: anyone who reaches it could make the monitor act on "
+            f"training through POST /api/v1/alertmanager; set ${listen.token_env} to a secret "
+            "token (and give Alertmanager the same), or listen on 127.0.0.1"
+        )
+    return None
 
 
 class MonitorConfig(Section):
@@ -89,6 +127,13 @@ class MonitorConfig(Section):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     notifications: NotificationsConfig = Field(default_factory=NotificationsConfig)
+    actions: ActionsConfig = Field(default_factory=ActionsConfig)
+    _source_file: Path | None = PrivateAttr(default=None)
+
+    @property
+    def source_file(self) -> Path | None:
+        """The file this was loaded from (None when built in code)."""
+        return self._source_file
 
     @model_validator(mode="after")
     def _source_is_configured(self) -> MonitorConfig:
@@ -108,6 +153,7 @@ def load_monitor_config(
     base = Path(path).resolve().parent
     config.rules.files = [base / f for f in config.rules.files]
     config.state.path = base / config.state.path
+    config._source_file = Path(path).resolve()
     if config.scrape.runs_root is not None:
         config.scrape.runs_root = base / config.scrape.runs_root
     return config

@@ -12,8 +12,11 @@ import time
 from types import FrameType
 from typing import Any
 
+from lossguard.monitor.actions.engine import Actions
+from lossguard.monitor.actions.intake import IncomingAlert
+from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.api import MonitorServer
-from lossguard.monitor.config import MonitorConfig
+from lossguard.monitor.config import MonitorConfig, webhook_token
 from lossguard.monitor.metrics import MonitorMetrics
 from lossguard.monitor.notify.config import read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
@@ -76,6 +79,16 @@ class Monitor:
             config.notifications,
             integrations,
             facts=RunFacts(self.source),
+            annotate=lambda alert: self.actions.annotate(alert),
+        )
+        self.actions = Actions(
+            config.actions,
+            self.store,
+            self.dispatcher.silences,
+            runs_root=config.scrape.runs_root,
+            config_path=None if config.source_file is None else str(config.source_file),
+            observe=self.metrics.acted,
+            on_done=self._acted,
         )
         delivery = config.notifications.delivery
         self.deliverer = Deliverer(
@@ -98,6 +111,8 @@ class Monitor:
             self._status,
             config.listen.host,
             config.listen.port,
+            on_alerts=self.receive_alertmanager,
+            token=webhook_token(config.listen),  # ConfigError: the caller exits 2
         )
 
     def _make_source(self, groups: list[RuleGroup]) -> Source:
@@ -123,6 +138,7 @@ class Monitor:
         """Evaluate until stopped (SIGTERM/SIGINT, or :meth:`stop`)."""
         self.source.start()
         self.deliverer.start()
+        self.actions.start()
         self.store.set_meta("listen_url", self.server.url)
         log.info(
             "monitor serving %s/metrics; %d rules from %s; state %s",
@@ -144,6 +160,7 @@ class Monitor:
                     except Exception:  # the daemon outlives any one cycle
                         log.exception("evaluation cycle failed")
                         self.schedule.done(self.ruleset.groups, due, now)
+                self.act(time.time())
                 self.notify(time.time())
                 wake_at = min(
                     self.schedule.wake_time(now), self.dispatcher.next_flush() or now + 60
@@ -177,6 +194,30 @@ class Monitor:
         self.metrics.update_targets(self.source.targets())
         self._last_cycle = t
         return transitions
+
+    def act(self, now: float) -> None:
+        """Decide about the firing alerts that ask for an action (recorded, then sent by the
+        actions thread): before any notification, so grouping never delays an action."""
+        alerts = [a for found in self.ruleset.active().values() for a in found]
+        try:
+            self.actions.step(alerts, now)
+        except sqlite3.Error as exc:
+            log.error("state database: %s; actions are decided on the next cycle", exc)
+        except Exception:  # the daemon outlives any one cycle
+            log.exception("actions cycle failed")
+
+    def _acted(self, record: ActionRecord) -> None:
+        """An action was answered: the receivers told of its alert hear what was done."""
+        try:
+            self.dispatcher.retell(record.fingerprint, time.time())
+        except sqlite3.Error as exc:
+            log.error("state database: %s; the action shows in the next notification", exc)
+        self._wake.set()
+
+    def receive_alertmanager(self, alerts: list[IncomingAlert]) -> None:
+        """Alerts from Alertmanager's webhook: decided about on the next cycle, now."""
+        self.actions.receive(alerts, time.time())
+        self._wake.set()
 
     def notify(self, now: float) -> list[int] | None:
         """Queue what the recorded transitions and due alert groups call for; wake delivery.
@@ -325,6 +366,7 @@ class Monitor:
         }
 
     def close(self) -> None:
+        self.actions.stop()
         self.deliverer.stop()
         self.source.close()
         self.server.close()

@@ -47,6 +47,12 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("receiver", "integration", "result"),
     ),
     "outbox_pending": ("gauge", "Notifications waiting for delivery.", ()),
+    "actions": (
+        "counter",
+        "Actions by result: applied, failed, retry (not delivered, will be retried), held "
+        "(by a silence), dry_run.",
+        ("action", "result"),
+    ),
     "outbox_dead_letters": (
         "gauge",
         "Notifications that failed for good (lossguard-monitor status lists them).",
@@ -82,6 +88,7 @@ class MonitorMetrics:
         self.notifications = self.metric(Counter, "notifications")
         self.outbox_pending = self.metric(Gauge, "outbox_pending")
         self.dead_letters = self.metric(Gauge, "outbox_dead_letters")
+        self.actions = self.metric(Counter, "actions")
         self._seen_alerts: set[tuple[str, str]] = set()
         self._seen_targets: set[str] = set()
 
@@ -108,6 +115,9 @@ class MonitorMetrics:
 
     def notified(self, notification: Notification, result: str) -> None:
         self.notifications.labels(notification.receiver, notification.integration, result).inc()
+
+    def acted(self, action: str, result: str) -> None:
+        self.actions.labels(action, result).inc()
 
     def watch_outbox(self, store: NotifyStore) -> None:
         """Read the outbox counts from the state database at each scrape."""

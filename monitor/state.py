@@ -82,7 +82,9 @@ class StateStore:
             self._check_version()
         except (OSError, ValueError, sqlite3.Error) as exc:
             raise StateError(f"state database {path}: {exc}") from None
-        self._lock = threading.Lock()
+        # reentrant: a read inside a transaction (the dispatcher annotating the alerts it flushes
+        # with their actions) uses the same connection on the same thread
+        self._lock = threading.RLock()
 
     def _check_version(self) -> None:
         row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
@@ -119,16 +121,21 @@ class StateStore:
                     "INSERT INTO alerts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [_alert_row(a) for a in current],
                 )
-            db.executemany(
-                "INSERT INTO alert_events (at, kind, rule, fingerprint, labels, annotations,"
-                " value, active_at, fired_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [_event_row(t) for t in transitions],
-            )
+            self.append_events(db, transitions)
             if evaluated_at is not None:
                 db.execute(
                     "INSERT OR REPLACE INTO meta VALUES ('last_evaluation', ?)",
                     (repr(evaluated_at),),
                 )
+
+    @staticmethod
+    def append_events(db: sqlite3.Connection, transitions: Iterable[Transition]) -> None:
+        """Append ``transitions`` to the alert event log (inside the caller's transaction)."""
+        db.executemany(
+            "INSERT INTO alert_events (at, kind, rule, fingerprint, labels, annotations,"
+            " value, active_at, fired_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [_event_row(t) for t in transitions],
+        )
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

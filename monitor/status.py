@@ -10,6 +10,9 @@ from typing import Any
 
 import requests
 
+from lossguard.monitor.actions.describe import describe
+from lossguard.monitor.actions.exhausted import ExhaustedPages
+from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore, OutboxEntry
 from lossguard.monitor.rules.alerting import AlertState
@@ -27,7 +30,16 @@ def collect(state: StateStore, timeout_s: float = 2.0) -> dict[str, Any]:
         for rule, alerts in state.load_alerts().items()
         for a in alerts
         if a.state is AlertState.FIRING
+    ] + [
+        {
+            "labels": p["labels"],
+            "value": value_text(p["value"]),
+            "since": p["fired_at"],
+            "rule": "actions",
+        }
+        for p in ExhaustedPages(state).firing()
     ]
+    actions = ActionStore(state)
     silences = [
         {
             "id": s.id,
@@ -54,6 +66,10 @@ def collect(state: StateStore, timeout_s: float = 2.0) -> dict[str, Any]:
         "monitor": daemon,
         "firing": sorted(firing, key=lambda a: a["since"] or 0),
         "silences": silences,
+        "actions": [
+            {**r.to_json(), "text": describe(r)}
+            for r in actions.open() + [r for r in actions.recent(LISTED) if not r.is_open]
+        ],
         "outbox": notify.counts(),
         "pending": [_entry(e) for e in notify.entries(PENDING, LISTED)],
         "dead_letters": [_entry(e) for e in notify.entries(DEAD, LISTED)],
@@ -90,7 +106,8 @@ def render(report: dict[str, Any], now: float | None = None) -> str:
             up = {True: "UP", False: "DOWN", None: "NEW"}[t["up"]]
             why = f"  {t['last_error']}" if t.get("last_error") else ""
             run = f"  run {t['run_id']}" if t.get("run_id") else ""
-            lines.append(f"  {up:<5} {t['url']}{run}{why}")
+            rank = f" rank {t['rank']}" if run and t.get("rank") else ""
+            lines.append(f"  {up:<5} {t['url']}{run}{rank}{why}")
     else:
         where = daemon["url"] or "unknown address"
         lines.append(f"monitor  {where}  not reachable (targets unknown)")
@@ -105,6 +122,16 @@ def render(report: dict[str, Any], now: float | None = None) -> str:
         lines.append(
             f"  {s['id']}  {' '.join(s['matchers'])}  {s['state']}, {until}"
             f"  by {s['created_by']}: {s['comment']}"
+        )
+    open_actions = [a for a in report["actions"] if a["state"] in ("held", "pending")]
+    lines.append(
+        f"actions ({len(open_actions)} pending, {len(report['actions']) - len(open_actions)} "
+        "recent)"
+    )
+    for a in report["actions"]:
+        lines.append(
+            f"  {a['state'].upper():<8} {a['kind']:<10} run {a['run_id']}  {a['alertname']}"
+            f"  {_ago(now, a['created_at'])}: {a['text']}"
         )
     counts = report["outbox"]
     lines.append(

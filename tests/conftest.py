@@ -18,6 +18,10 @@ import yaml
 
 from lossguard.agent.config import Config, parse_config
 
+# One intra-op thread per test process: pytest-xdist runs one worker per core, and torch's
+# default (a thread per core in every worker) oversubscribes the cores several times over.
+torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -70,20 +70,49 @@ class PromServer(ServerProcess):
 
 
 def scrape_config(
-    targets: Sequence[str], *, job: str, interval: str, timeout: str | None = None
+    targets: Sequence[str],
+    *,
+    job: str,
+    interval: str,
+    timeout: str | None = None,
+    target_labels: Mapping[str, Mapping[str, str]] | None = None,
+    honor_labels: bool = False,
 ) -> dict[str, Any]:
-    """A scrape config for metrics URLs (each keeps its own scheme and path)."""
+    """A scrape config for metrics URLs (each keeps its own scheme and path), with the extra
+    ``target_labels`` of some URLs (say the ``run_id`` and ``rank`` the monitor's discovery
+    gives)."""
     static = []
     for url in targets:
         parts = urlsplit(url)
         labels = {"__scheme__": parts.scheme, "__metrics_path__": parts.path or "/metrics"}
+        labels.update((target_labels or {}).get(url, {}))
         static.append({"targets": [parts.netloc], "labels": labels})
     return {
         "job_name": job,
         "scrape_interval": interval,
         "scrape_timeout": timeout or interval,
+        "honor_labels": honor_labels,
         "static_configs": static,
     }
+
+
+def alerting_config(alertmanagers: Sequence[str]) -> dict[str, Any]:
+    """One ``alerting.alertmanagers`` entry for Alertmanager base URLs (same scheme and path
+    prefix, as Prometheus wants them)."""
+    parts = [urlsplit(url) for url in alertmanagers]
+    schemes = {p.scheme for p in parts}
+    prefixes = {p.path.rstrip("/") for p in parts}
+    assert len(schemes) == 1 and len(prefixes) == 1, f"one scheme and path: {alertmanagers}"
+    entry: dict[str, Any] = {
+        "scheme": schemes.pop(),
+        "timeout": "5s",
+        "api_version": "v2",
+        "static_configs": [{"targets": [p.netloc for p in parts]}],
+    }
+    prefix = prefixes.pop()
+    if prefix:
+        entry["path_prefix"] = prefix
+    return entry
 
 
 @contextmanager
@@ -95,17 +124,32 @@ def prometheus(
     scrape_interval: str = "1s",
     evaluation_interval: str = "1s",
     rule_files: Sequence[Path] = (),
+    target_labels: Mapping[str, Mapping[str, str]] | None = None,
+    honor_labels: bool = False,
+    alertmanagers: Sequence[str] = (),
     ready_timeout: float = 30,
 ) -> Iterator[PromServer]:
     """Run Prometheus on a free port of 127.0.0.1, scraping the metrics URLs ``targets`` as
-    ``job``; its config, data and log live in ``directory``. Stopped on exit."""
+    ``job`` (see :func:`scrape_config`) and sending the alerts of ``rule_files`` to the
+    Alertmanagers at the base URLs ``alertmanagers``; its config, data and log live in
+    ``directory``. Stopped on exit."""
     binary = prometheus_binary()
     directory.mkdir(parents=True, exist_ok=True)
-    config = {
+    config: dict[str, Any] = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": evaluation_interval},
         "rule_files": [str(Path(path).resolve()) for path in rule_files],
-        "scrape_configs": [scrape_config(targets, job=job, interval=scrape_interval)],
+        "scrape_configs": [
+            scrape_config(
+                targets,
+                job=job,
+                interval=scrape_interval,
+                target_labels=target_labels,
+                honor_labels=honor_labels,
+            )
+        ],
     }
+    if alertmanagers:
+        config["alerting"] = {"alertmanagers": [alerting_config(alertmanagers)]}
     config_path = directory / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()

@@ -370,6 +370,45 @@ def test_arguments_and_request_ids_on_the_wire(capsys, unix_agent: FakeAgent) ->
     assert all(r.token is None for r in unix_agent.requests)  # no token over the Unix socket
 
 
+def test_skip_batches_abandoned_on_the_wire_and_in_words(capsys, unix_agent: FakeAgent) -> None:
+    abandoned = {
+        "signal": "loss",
+        "step": 1805,
+        "nonfinite": True,
+        "value": None,
+        "zscore": None,
+        "window_mean": 2.4,
+        "causes": ["non-finite values in the forward or backward pass (check the data at 1804)"],
+    }
+    result = {**RESULTS["rollback"], "skipped_batches": 240, "abandoned": abandoned}
+    unix_agent.respond = lambda request: ok_reply(request.id, result)
+    argv = ["rollback", "last_good", "--skip-batches", "abandoned", "--lr-scale", "0.5"]
+    code, out, err = ctl(capsys, *argv, agent=unix_agent)
+    assert (code, err) == (0, "")
+    assert unix_agent.requests[0].args == {
+        "target": "last_good",
+        "skip_batches": "abandoned",
+        "lr_scale": 0.5,
+    }
+    assert out == (
+        "rolled back from step 1840 to step 1600 (step_00001600); skipped 240 batches; "
+        "lr scale 0.5\n"
+        "abandoned: loss non-finite at step 1805: non-finite values in the forward or backward "
+        "pass (check the data at 1804)\n"
+    )
+    spike = {**abandoned, "nonfinite": False, "value": 9.5, "zscore": 14.2, "causes": []}
+    unix_agent.respond = lambda request: ok_reply(request.id, {**STATUS, "episode": spike})
+    code, out, _ = ctl(capsys, "status", agent=unix_agent)
+    assert code == 0 and out.endswith("episode    loss spike at step 1805 (9.5, z 14.2)\n")
+
+
+@pytest.mark.parametrize("skip", ["all", "1.5", "-1", ""])
+def test_skip_batches_must_be_a_count_or_abandoned(capsys, skip: str) -> None:
+    code, out, err = ctl(capsys, "--socket", "a.sock", "rollback", "best", "--skip-batches", skip)
+    assert (code, out) == (2, "")
+    assert "skip" in err.splitlines()[-1] and "Traceback" not in err
+
+
 def test_run_dir_finds_the_socket(capsys, unix_agent: FakeAgent) -> None:
     run_dir = str(Path(unix_agent.address).parent)
     assert ctl(capsys, "--run-dir", run_dir, "pause")[:2] == (0, "paused at step 1840\n")

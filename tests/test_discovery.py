@@ -56,6 +56,17 @@ def test_runs_appear_and_disappear(tmp_path: Path) -> None:
     assert [t.run_id for t in discover_agents(tmp_path)] == ["new", "new"]
 
 
+def test_two_runs_naming_one_url_are_two_targets(tmp_path: Path) -> None:
+    """A killed run's agent.json stays when a new run takes its port."""
+    url = "http://127.0.0.1:9410/metrics"
+    start_run(tmp_path, "killed", url, started_at=100.0)
+    start_run(tmp_path, "new", url)
+    assert [(t.run_id, t.rank, t.url) for t in discover_agents(tmp_path)] == [
+        ("new", 0, url),
+        ("killed", 0, url),
+    ]
+
+
 @pytest.mark.parametrize(
     ("ending", "kept"),
     [

@@ -34,7 +34,7 @@ groups:
     rules:
       - alert: LossNonFinite
         expr: increase(lossguard_nonfinite_total{signal="loss", rank="0"}[6s]) > 0
-        labels: {severity: critical, action: rollback}
+        labels: {severity: critical}  # no action: this test is about notifying
         annotations:
           summary: "Non-finite loss in run {{ $labels.run_id }} (rank {{ $labels.rank }})"
           description: "Run {{ $labels.run_id }} had a NaN loss; the step was skipped."

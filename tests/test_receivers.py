@@ -48,6 +48,9 @@ LINKS = Links(
 )
 
 
+STATUS_STEP = "look at the run: lossguard-ctl --run-dir runs/abc status"
+
+
 def alert(status: str = "firing", fingerprint: str = FP, **labels: str) -> AlertInfo:
     return AlertInfo(
         fingerprint=fingerprint,
@@ -70,6 +73,7 @@ def alert(status: str = "firing", fingerprint: str = FP, **labels: str) -> Alert
         ends_at=NOW + 600 if status == "resolved" else None,
         step=1200,
         actions=("rolled back 1 time",),
+        next_steps=(STATUS_STEP,),
     )
 
 
@@ -139,7 +143,7 @@ def test_runbook_resolves_relative_urls_against_the_base() -> None:
 
 
 def test_slack_firing_message_shows_each_alert_in_full() -> None:
-    quiet = replace(alert(rank="1", fingerprint="f" * 16), actions=())
+    quiet = replace(alert(rank="1", fingerprint="f" * 16), actions=(), next_steps=())
     message = slack_message(note(alert(), quiet), 42, LINKS)
     header, first, second, context = message["blocks"]
     assert slack_problem(message) is None
@@ -163,6 +167,10 @@ def test_slack_firing_message_shows_each_alert_in_full() -> None:
             f"<https://grafana.example/d/lg?var-run=abc&amp;var-rank={rank}|",
         ):
             assert fact in shown, (fact, shown)
+    assert "*Next steps:*\n• look at the run: `lossguard-ctl --run-dir runs/abc status`" in (
+        texts(first)
+    )
+    assert "Next steps" not in texts(second)
     assert context["type"] == "context"
     assert "lossguard notification #42" in texts(context)
     assert GROUP_KEY in texts(context)
@@ -231,6 +239,7 @@ def test_slack_messages_always_fit_slacks_limits(
         alert(alertname=name, run_id=long[:5000]),
         annotations={"summary": long, "description": long, "runbook_url": long[:3000]},
         actions=tuple(actions),
+        next_steps=tuple(actions),
     )
     alerts = [replace(base, fingerprint=f"{i:016x}") for i in range(count)]
     message = slack_message(note(*alerts, truncated=truncated), 1, LINKS)
@@ -261,6 +270,7 @@ def test_pagerduty_trigger_event() -> None:
                 "value": "3.25",
                 "step": 1200,
                 "actions": ["rolled back 1 time"],
+                "next_steps": [STATUS_STEP],
                 "fingerprint": FP,
             },
         },
@@ -473,12 +483,13 @@ def test_log_receiver_writes_one_line_per_alert(caplog: pytest.LogCaptureFixture
         (
             logging.WARNING,
             "FIRING LossSpikeNotRecovering run=abc rank=0 step=1200 value=3.25: loss spiked "
-            "(notification #5 to team)",
+            f"Done: rolled back 1 time. Next: {STATUS_STEP}. (notification #5 to team)",
         ),
         (
             logging.INFO,
             "RESOLVED LossSpikeNotRecovering run=abc rank=1 step=1200 value=3.25: "
-            "Loss spike not recovering in run abc (notification #5 to team)",
+            "Loss spike not recovering in run abc -- Loss has stayed 3x above its EMA for 300 "
+            "steps. Done: rolled back 1 time. (notification #5 to team)",
         ),
     ]
 

@@ -34,7 +34,8 @@ def exporter() -> Iterator[ExpositionServer]:
 
 def source_for(*urls: str, **options) -> ScrapeSource:
     options.setdefault("retention_s", 600)
-    return ScrapeSource(static_targets=list(urls), runs_root=None, **options)
+    options.setdefault("runs_root", None)
+    return ScrapeSource(static_targets=list(urls), **options)
 
 
 @pytest.fixture
@@ -263,6 +264,78 @@ def test_discovered_targets_are_scraped_until_their_run_ends(exporter, tmp_path)
         assert value_of(source, "a", T0 + 1.5) == 1.0
     finally:
         source.close()
+
+
+@pytest.fixture
+def discovering(tmp_path: Path) -> Iterator[ScrapeSource]:
+    source = ScrapeSource(static_targets=[], runs_root=tmp_path, retention_s=600)
+    yield source
+    source.close()
+
+
+def test_a_discovered_target_is_labelled_with_its_run_and_rank(
+    exporter, make_source, tmp_path
+) -> None:
+    exporter.body = 'a{run_id="r7",rank="1"} 1\nprocess_start_time_seconds 5\n'
+    with exposition_server('a{run_id="r7",rank="0"} 2\n') as other:
+        write_agent_json(tmp_path / "r7", other.url, metrics_urls=[other.url, exporter.url])
+        discovering = make_source(exporter.url, runs_root=tmp_path)  # also static: scraped once
+        discovering.scrape_once(T0)
+
+    rank_1 = {"job": "lossguard-agent", "instance": exporter.instance, "run_id": "r7", "rank": "1"}
+    for name in ("up", "scrape_duration_seconds", "scrape_samples_scraped"):
+        assert labels_of(discovering, f'{name}{{rank="1"}}', T0) == {"__name__": name, **rank_1}
+    assert labels_of(discovering, 'a{rank="1"}', T0) == {"__name__": "a", **rank_1}
+    assert labels_of(discovering, "process_start_time_seconds", T0) == {
+        "__name__": "process_start_time_seconds",
+        **rank_1,
+    }
+    assert value_of(discovering, 'up{rank="0"}', T0) == 1.0
+    assert [(t.run_id, t.rank, t.up) for t in discovering.targets()] == [
+        ("r7", "0", True),
+        ("r7", "1", True),
+    ]
+
+
+def test_a_new_run_on_a_reused_port_leaves_the_old_run_down(
+    exporter, discovering, tmp_path
+) -> None:
+    """A killed run's agent.json stays; a new run's agent takes its port. Each run is its own
+    target: the old one is down, and the new run's samples never appear as the old run's."""
+    exporter.body = 'a{run_id="old",rank="0"} 1\n'
+    write_agent_json(tmp_path / "old", exporter.url, started_at=T0 - 100)
+    discovering.scrape_once(T0)
+    assert value_of(discovering, 'a{run_id="old"}', T0) == 1.0
+
+    exporter.body = 'a{run_id="new",rank="0"} 2\n'  # old killed, new started on its port
+    write_agent_json(tmp_path / "new", exporter.url)
+    discovering.scrape_once(T0 + 1)
+
+    up = {dict(s.labels)["run_id"]: s.value for s in samples(discovering, "up", T0 + 1)}
+    assert up == {"old": 0.0, "new": 1.0}
+    assert [dict(s.labels) for s in samples(discovering, "a", T0 + 1)] == [
+        {"__name__": "a", "job": "lossguard-agent", "instance": exporter.instance}
+        | {"run_id": "new", "rank": "0"}
+    ]
+    assert value_of(discovering, "a", T0 + 1) == 2.0
+    new, old = discovering.targets()
+    assert (new.run_id, new.up, new.last_error) == ("new", True, None)
+    assert (old.run_id, old.rank, old.up) == ("old", "0", False)
+    assert old.last_error == f"GET {exporter.url}: run new rank 0 answered, not run old rank 0"
+
+    (tmp_path / "old" / "agent.json").unlink()  # the old target goes: its up ends
+    discovering.scrape_once(T0 + 2)
+    assert [dict(s.labels)["run_id"] for s in samples(discovering, "up", T0 + 2)] == ["new"]
+
+
+def test_a_rank_that_moves_to_another_port_is_one_target(exporter, discovering, tmp_path) -> None:
+    exporter.body = 'a{run_id="r1",rank="0"} 1\n'
+    write_agent_json(tmp_path / "r1", f"http://127.0.0.1:{free_port()}/metrics")
+    discovering.scrape_once(T0)
+    write_agent_json(tmp_path / "r1", exporter.url)  # resumed, on another port
+    discovering.scrape_once(T0 + 1)
+    (up,) = samples(discovering, "up", T0 + 1)
+    assert (dict(up.labels)["instance"], up.value) == (exporter.instance, 1.0)
 
 
 def test_the_background_loop_scrapes_on_the_interval_and_stops(exporter) -> None:

@@ -21,8 +21,21 @@ from .conftest import count_host_reads
 
 SMALL = {"window": 16, "min_history": 4, "recover_steps": 3}
 CPU = torch.device("cpu")
-COUNTERS = [f for f in STAT_FIELDS if f not in ("value", "zscore")]
 NAN, INF = float("nan"), float("inf")
+# Compared exactly; the window statistics approximately.
+COUNTERS = [
+    "spike",
+    "active",
+    "duration",
+    "spikes_total",
+    "nonfinite_total",
+    "nonfinite",
+    "nonfinite_step",
+    "spike_step",
+    "spike_value",
+]
+APPROX = ["zscore", "mean", "std", "spike_mean", "spike_std"]
+assert {*COUNTERS, *APPROX, "value"} == set(STAT_FIELDS)
 
 
 def small(**changes: Any) -> SpikeConfig:
@@ -50,13 +63,21 @@ class Reference:
         self.duration = 0
         self.spikes_total = 0
         self.nonfinite_total = 0
+        self.step = 0
+        self.nonfinite_step = -1
+        self.spike_at = (-1.0, -INF, -INF, -INF)  # step, value, mean, std
         self.last = dict.fromkeys(STAT_FIELDS, 0.0)
+        self.last.update(nonfinite_step=-1.0, mean=-INF, std=-INF)
+        spike_fields = ("spike_step", "spike_value", "spike_mean", "spike_std")
+        self.last.update(zip(spike_fields, self.spike_at, strict=True))
 
     def update(self, x: float) -> bool:
         cfg = self.cfg
+        self.step += 1
         finite = math.isfinite(x)
         n = len(self.window)
         spike, zscore = False, 0.0
+        mean = std = -INF  # unknown before min_history
         if n >= cfg.min_history:
             shift = self.window[-cfg.min_history]  # the detector's shift, for equal rounding
             devs = [w - shift for w in self.window]
@@ -77,12 +98,16 @@ class Reference:
             if not self.active:
                 self.active, self.duration = True, 0
                 self.spikes_total += spike  # a non-finite value opens an episode, uncounted
+                if spike:
+                    self.spike_at = (float(self.step), x, mean, std)
             self.in_band_run = 0
         if self.active:
             self.duration += 1
             if self.in_band_run >= cfg.recover_steps:
                 self.active, self.duration = False, 0
         self.nonfinite_total += not finite
+        if not finite:
+            self.nonfinite_step = self.step
         self.last = {
             "value": x,
             "zscore": zscore,
@@ -92,6 +117,13 @@ class Reference:
             "spikes_total": float(self.spikes_total),
             "nonfinite_total": float(self.nonfinite_total),
             "nonfinite": float(not finite),
+            "nonfinite_step": float(self.nonfinite_step),
+            "mean": mean,
+            "std": std,
+            "spike_step": self.spike_at[0],
+            "spike_value": self.spike_at[1],
+            "spike_mean": self.spike_at[2],
+            "spike_std": self.spike_at[3],
         }
         return not finite
 
@@ -109,7 +141,8 @@ def assert_matches(got: dict[str, float], want: dict[str, float], where: str) ->
     for field in COUNTERS:
         assert got[field] == want[field], (where, field, got, want)
     assert got["value"] == want["value"] or (math.isnan(got["value"]) and math.isnan(want["value"]))
-    assert got["zscore"] == pytest.approx(want["zscore"], rel=1e-9, abs=1e-9), (where, got, want)
+    for field in APPROX:
+        assert got[field] == pytest.approx(want[field], rel=1e-9, abs=1e-9), (where, field, got)
 
 
 def compare(cfg: SpikeConfig, values: Sequence[float]) -> None:
@@ -310,7 +343,8 @@ def test_update_never_syncs_with_the_host(mode: str, monkeypatch: pytest.MonkeyP
     assert calls == []
     assert not {op.__name__.split(".")[0] for op in log.ops} & SYNCING_OPS  # C++ .item() too
     kernels = [op for op in log.ops if not op.is_view]
-    assert len(kernels) / len(values) <= 35  # small: this runs every training step
+    # small: this runs every training step (about 33, and 4 for the step bookkeeping)
+    assert len(kernels) / len(values) <= 40
     assert (
         detector.stats_dict()["spikes_total"] > 0 and detector.stats_dict()["nonfinite_total"] > 0
     )
@@ -352,7 +386,9 @@ def test_stats_before_any_update_and_input_kinds() -> None:
     detector = SpikeDetector(small(), CPU)
     stats = detector.stats()
     assert stats.dtype == torch.float64 and stats.shape == (len(STAT_FIELDS),)
-    assert stats.tolist() == [0.0] * len(STAT_FIELDS)
+    unknown = {"nonfinite_step": -1.0, "spike_step": -1.0}
+    unknown.update(dict.fromkeys(("mean", "std", "spike_value", "spike_mean", "spike_std"), -INF))
+    assert detector.stats_dict() == {f: unknown.get(f, 0.0) for f in STAT_FIELDS}
     loss = (torch.ones(3, requires_grad=True) * 2).mean()
     detector.update(loss)  # float32, requires grad
     detector.update(torch.tensor([2.0], dtype=torch.bfloat16))  # one element, any shape
@@ -383,3 +419,60 @@ def test_routine_nonfinite_values_can_stay_out_of_episodes() -> None:
     stats = feed(detector, [math.inf])[-1]
     assert stats["nonfinite_total"] == 1 and stats["active"] == 0 and stats["spikes_total"] == 0
     assert feed(detector, [9.0])[-1]["active"] == 1  # a real spike still opens one
+
+
+def test_steps_of_the_last_nonfinite_value_and_of_the_spike_that_opened_an_episode() -> None:
+    detector = SpikeDetector(small(), CPU)
+    history = feed(detector, [*gauss(20, 3.0, 0.05), NAN, *gauss(10, 3.0, 0.05, seed=1)])
+    assert [s["nonfinite_step"] for s in history[:20]] == [-1.0] * 20
+    assert {s["nonfinite_step"] for s in history[20:]} == {21.0}  # steps count from 1
+    assert history[-1]["spike_step"] == -1 and history[-1]["spike_value"] == -INF
+
+    window = detector.state_dict()["window"]  # the values the spike is judged against
+    spiking = feed(detector, [9.0, 12.0, INF])  # steps 32, 33 (inside the episode), 34
+    assert [s["spike_step"] for s in spiking] == [32.0] * 3  # the spike that opened it
+    assert spiking[-1]["spike_value"] == 9.0
+    known = window[~window.isnan()]
+    assert spiking[-1]["spike_mean"] == pytest.approx(float(known.mean()), rel=1e-12)
+    assert spiking[-1]["spike_std"] == pytest.approx(float(known.std(correction=0)), rel=1e-9)
+    assert spiking[-1]["nonfinite_step"] == 34
+
+    detector.set_step(1000)  # a restore: the training loop's count wins
+    assert feed(detector, [-INF])[-1]["nonfinite_step"] == 1001
+
+
+def test_nonfinite_step_is_checkpointed_state() -> None:
+    detector = SpikeDetector(small(), CPU)
+    feed(detector, gauss(30, 3.0, 0.05))
+    clean = detector.state_dict()  # a checkpoint before the NaN
+    feed(detector, [3.0, NAN, 3.0])
+    assert detector.stats_dict()["nonfinite_step"] == 32
+    dirty = detector.state_dict()
+
+    detector.load_state_dict(clean)  # a rollback to before the NaN
+    assert detector.stats_dict()["nonfinite_step"] == -1
+    assert feed(detector, [3.0, 3.0, NAN])[-1]["nonfinite_step"] == 33  # it comes back anew
+
+    buffer = io.BytesIO()
+    torch.save(dirty, buffer)
+    buffer.seek(0)
+    detector.load_state_dict(torch.load(buffer, weights_only=True))
+    assert detector.stats_dict()["nonfinite_step"] == 32
+    assert feed(detector, [3.0])[-1]["nonfinite_step"] == 32  # the step count came back too
+
+
+def test_a_state_from_before_the_step_keys_still_loads() -> None:
+    detector = SpikeDetector(small(), CPU)
+    feed(detector, [*gauss(30, 3.0, 0.05), NAN, 9.0])
+    old = {
+        k: v
+        for k, v in detector.state_dict().items()
+        if k not in ("step", "nonfinite_step", "spike_at")
+    }
+    restored = SpikeDetector(small(), CPU)
+    restored.load_state_dict(old)
+    stats = restored.stats_dict()
+    assert stats["nonfinite_total"] == 1 and stats["active"] == 1  # the old keys did load
+    assert stats["nonfinite_step"] == -1 and stats["spike_step"] == -1
+    restored.set_step(32)
+    assert feed(restored, [NAN])[-1]["nonfinite_step"] == 33

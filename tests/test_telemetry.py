@@ -149,6 +149,12 @@ def test_lr_fault_makes_a_detected_spike_that_recovers(tmp_path: Path, corpus_ca
     assert spikes["loss"] == 1
     faults = [e for e in _events(trainer.run_path) if e["event"] == "fault"]
     assert len(faults) == 1 and {k: faults[0][k] for k in fault} == fault
+    spike = next(e for e in _events(trainer.run_path) if e["event"] == "spike")
+    diagnosis = spike["diagnosis"]  # of the step that opened the episode, not the interval's end
+    assert diagnosis["signal"] == "loss" and 500 <= diagnosis["step"] < 505
+    assert diagnosis["nonfinite"] is False and diagnosis["zscore"] > 6
+    assert diagnosis["value"] > diagnosis["window_mean"] + 6 * diagnosis["window_std"]
+    assert diagnosis["causes"]
 
 
 def test_clean_run_reports_no_spike_over_1000_steps(tmp_path: Path, corpus_cache: Path) -> None:

@@ -17,7 +17,14 @@ from lossguard.agent.control.server import REMEMBERED_IDS, ControlServer, Pendin
 from lossguard.agent.distributed import all_reduce_max, broadcast_objects
 from lossguard.agent.recovery import OnSaved, RestoreError
 from lossguard.agent.telemetry.collector import Telemetry
-from lossguard.common.protocol import ErrorCode, Request, Target, error_reply, ok_reply
+from lossguard.common.protocol import (
+    ErrorCode,
+    Request,
+    SkipBatches,
+    Target,
+    error_reply,
+    ok_reply,
+)
 
 log = logging.getLogger("lossguard.agent")
 
@@ -39,7 +46,9 @@ class Controllable(Protocol):
     def save(
         self, reason: str = ..., *, wait: bool = ..., on_done: OnSaved | None = ...
     ) -> None: ...
-    def rollback(self, target: Target, *, skip_batches: int, lr_scale: float) -> dict[str, Any]: ...
+    def rollback(
+        self, target: Target, *, skip_batches: SkipBatches, lr_scale: float
+    ) -> dict[str, Any]: ...
     def set_paused(self, paused: bool) -> None: ...
     def set_lr_scale(self, scale: float) -> None: ...
     def event(self, kind: str, /, **fields: Any) -> None: ...
@@ -189,7 +198,13 @@ class CommandRunner:
                 args["target"], skip_batches=args["skip_batches"], lr_scale=args["lr_scale"]
             )
         except RestoreError as exc:
-            code = ErrorCode.NOT_FOUND if exc.not_found else ErrorCode.FAILED
+            code = (
+                ErrorCode.NOT_FOUND
+                if exc.not_found
+                else ErrorCode.BAD_REQUEST
+                if exc.bad_request
+                else ErrorCode.FAILED
+            )
             raise CommandFailed(code, str(exc)) from None
 
     def _pause(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:

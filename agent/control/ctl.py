@@ -20,7 +20,13 @@ from lossguard.common.control_client import (
     ControlTimeout,
     ControlUnavailable,
 )
-from lossguard.common.protocol import COMMAND_ARGS, SOCKET_NAME, ProtocolError, validate_args
+from lossguard.common.protocol import (
+    ABANDONED,
+    COMMAND_ARGS,
+    SOCKET_NAME,
+    ProtocolError,
+    validate_args,
+)
 
 EXIT_REFUSED = 1
 EXIT_UNREACHABLE = 3
@@ -49,6 +55,18 @@ def _positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number > 0, not {text!r}")
     return value
+
+
+def _skip_batches(text: str) -> int | str:
+    """``abandoned`` or a count (the agent's rules check the rest, before anything is sent)."""
+    if text == ABANDONED:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of batches or {ABANDONED!r}, not {text!r}"
+        ) from None
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -94,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     rollback = sub.add_parser("rollback", help="restore a checkpoint and train on from it")
     rollback.add_argument("target", metavar="TARGET", help="last_good, best, latest or a step")
     rollback.add_argument(
-        "--skip-batches", type=int, metavar="N", help="skip the next N batches (default 0)"
+        "--skip-batches",
+        type=_skip_batches,
+        metavar="N",
+        help=f"skip the next N batches (default 0), or {ABANDONED!r}: exactly the batches the "
+        "abandoned steps trained on",
     )
     rollback.add_argument("--lr-scale", type=float, metavar="X", help="lr multiplier (default 1)")
     sub.add_parser("pause", help="pause training at the next step boundary")
@@ -177,6 +199,8 @@ def _format_status(result: dict[str, Any]) -> str:
         ("last good", _text(checkpoint["last_good"])),
         ("saving", "yes" if checkpoint["in_progress"] else "no"),
     ]
+    if result.get("episode"):  # agents before diagnoses leave it out
+        rows.append(("episode", _diagnosis(result["episode"])))
     width = max(len(key) for key, _ in rows) + 1
     return "\n".join(f"{key:<{width}}{value}" for key, value in rows)
 
@@ -209,11 +233,29 @@ def _format_save(result: dict[str, Any]) -> str:
 
 
 def _format_rollback(result: dict[str, Any]) -> str:
-    return (
+    text = (
         f"rolled back from step {result['from_step']} to step {result['to_step']} "
         f"({result['checkpoint']}); skipped {result['skipped_batches']} batches; "
         f"lr scale {result['lr_scale']:g}"
     )
+    if result.get("abandoned"):
+        text += f"\nabandoned: {_diagnosis(result['abandoned'])}"
+    return text
+
+
+def _diagnosis(diagnosis: dict[str, Any]) -> str:
+    """``loss non-finite at step 805: <causes>`` or ``loss spike at step 9 (40, z 8.0): ...``"""
+    signal = str(diagnosis["signal"]).replace("_", " ")
+    if diagnosis["nonfinite"]:
+        what = f"{signal} non-finite at step {diagnosis['step']}"
+    else:
+        what = f"{signal} spike at step {diagnosis['step']}"
+        if diagnosis.get("value") is not None:
+            zscore = diagnosis.get("zscore")
+            z = f", z {zscore:.1f}" if zscore is not None else ""
+            what += f" ({diagnosis['value']:.4g}{z})"
+    causes = "; ".join(str(cause) for cause in diagnosis.get("causes") or [])
+    return f"{what}: {causes}" if causes else what
 
 
 def _format_pause_resume(result: dict[str, Any]) -> str:

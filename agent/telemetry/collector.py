@@ -40,7 +40,10 @@ def public_host(bind_host: str) -> str:
     return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
-def _by_signal(stats: list[float]) -> dict[str, dict[str, float]]:
+SignalStats = dict[str, dict[str, float]]
+
+
+def signal_stats(stats: list[float]) -> SignalStats:
     """Split ``Telemetry.stats()`` read to the host into each signal's named fields."""
     width = len(STAT_FIELDS)
     return {
@@ -111,6 +114,8 @@ class Telemetry:
         self.grads = GradDiagnostics(model, diagnostics) if diagnostics.enabled else None
         self._exported_totals: dict[str, float] = {}
         self._grad_layers: set[str] = set()
+        self.fp8_overflow: tuple[str, float] | None = None
+        """The last FP8 sample's worst overflow ratio and its tensor (None before one)."""
         self._last_step_time = time.perf_counter()
         self._publish_static(model, run_id)
 
@@ -167,11 +172,14 @@ class Telemetry:
 
     def publish(
         self, record: dict[str, Any], stats: list[float], tokens_local: float, elapsed: float
-    ) -> None:
-        """Export one log interval and add the telemetry fields to its metrics record."""
+    ) -> SignalStats:
+        """Export one log interval and add the telemetry fields to its metrics record. Returns
+        each signal's detector statistics by name (for the audit trail and diagnoses)."""
         metrics = self.metrics
-        for signal, values in _by_signal(stats).items():
+        by_signal = signal_stats(stats)
+        for signal, values in by_signal.items():
             metrics.set(f"{signal}_zscore", values["zscore"])
+            metrics.set("nonfinite_step", values["nonfinite_step"], signal=signal)
             metrics.set("spike_active", values["active"], signal=signal)
             metrics.set("spike_duration_steps", values["duration"], signal=signal)
             self._export_total("spikes", values["spikes_total"], signal=signal)
@@ -180,6 +188,7 @@ class Telemetry:
             record[f"{signal}_spike_active"] = bool(values["active"])
             record[f"{signal}_spikes_total"] = int(values["spikes_total"])
             record[f"{signal}_nonfinite_total"] = int(values["nonfinite_total"])
+            record[f"{signal}_nonfinite_step"] = int(values["nonfinite_step"])
         tokens_per_second = tokens_local / elapsed if elapsed > 0 else 0.0
         metrics.inc("tokens", tokens_local)
         metrics.set("tokens_per_second", tokens_per_second)
@@ -199,16 +208,24 @@ class Telemetry:
         if record.get("loss_scale") is not None:
             metrics.set("amp_loss_scale", record["loss_scale"])
         self._publish_memory(record)
+        return by_signal
 
     def publish_eval(self, val_loss: float) -> None:
         if math.isfinite(val_loss):
             self.metrics.set("val_loss", val_loss)
 
-    def resync_totals(self) -> None:
-        """After a restore the detectors' totals jump back; count on from there (one read)."""
-        for signal, values in _by_signal(self.stats().tolist()).items():
+    def resync_totals(self, step: int) -> SignalStats:
+        """After a restore to ``step``: the detectors count steps from there and their totals
+        jump back, so counters count on from them; the last non-finite step is the restored
+        one at once (an alert on it resolves). One read; returns the statistics by signal."""
+        for detector in self.detectors.values():
+            detector.set_step(step)
+        by_signal = signal_stats(self.stats().tolist())
+        for signal, values in by_signal.items():
             self._exported_totals[f"spikes/{signal}"] = values["spikes_total"]
             self._exported_totals[f"nonfinite/{signal}"] = values["nonfinite_total"]
+            self.metrics.set("nonfinite_step", values["nonfinite_step"], signal=signal)
+        return by_signal
 
     def _export_total(self, name: str, total: float, signal: str | None = None) -> None:
         """Counters only go up: export the increase of a device-side running total."""
@@ -237,6 +254,8 @@ class Telemetry:
             record["gpu"] = sample
 
     def _publish_fp8(self, health: dict[str, Any]) -> None:
+        overflow = [(tensor, float(health["worst"][tensor]["overflow"])) for tensor in FP8_TENSORS]
+        self.fp8_overflow = max(overflow, key=lambda item: item[1])
         for tensor in FP8_TENSORS:
             worst = health["worst"][tensor]
             self.metrics.set("fp8_amax", worst["amax"], tensor=tensor)
@@ -272,6 +291,8 @@ class Telemetry:
         self.metrics.set("step_target", cfg.train.max_steps)
         self.metrics.set("paused", 0)
         self.metrics.set("checkpoint_in_progress", 0)
+        for signal in SIGNALS:
+            self.metrics.set("nonfinite_step", -1, signal=signal)
         if self.peak is not None:
             self.metrics.set("peak_flops", self.peak.flops, source=self.peak.source)
 

@@ -99,20 +99,26 @@ class Interval:
 
 class DetectionAudit:
     """Which spike episodes and non-finite values are new since the last interval, from the
-    running totals in the train records (for the audit trail)."""
+    detectors' running totals (for the audit trail)."""
 
     def __init__(self) -> None:
         self._seen: dict[str, int] = {}
 
-    def new(self, record: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        """``(event, fields)`` for each signal whose spike or non-finite total went up."""
+    def new(self, stats: Mapping[str, Mapping[str, float]]) -> list[tuple[str, dict[str, Any]]]:
+        """``(event, fields)`` for each signal whose spike or non-finite total went up;
+        ``stats``: each signal's detector statistics, by name (``Telemetry.publish``)."""
         found: list[tuple[str, dict[str, Any]]] = []
         for signal_name in SIGNALS:
+            values = stats[signal_name]
             for event, counter in (("spike", "spikes_total"), ("nonfinite", "nonfinite_total")):
                 key = f"{signal_name}_{counter}"
-                total, seen = int(record[key]), self._seen.get(key, 0)
+                total, seen = int(values[counter]), self._seen.get(key, 0)
                 if total > seen:
-                    zscore = record[f"{signal_name}_zscore"]
-                    found.append((event, {"signal": signal_name, "total": total, "zscore": zscore}))
+                    fields = {"signal": signal_name, "total": total, "zscore": values["zscore"]}
+                    found.append((event, fields))
                 self._seen[key] = total
         return found
+
+    def resync(self, stats: Mapping[str, Mapping[str, float]]) -> None:
+        """After a restore the totals are the checkpoint's: what goes beyond them is new."""
+        self.new(stats)

@@ -21,6 +21,14 @@ Semantics (the choices the metric catalogue's spike series rest on):
   episodes started by a spike (a non-finite value counts in ``nonfinite_total`` instead).
   A lasting level shift upward never rejoins the window, so its episode stays active until
   the signal comes back down.
+* Steps: the detector counts its updates (``step``: the number of the step just taken, from 1;
+  ``set_step`` aligns it with the training loop's count after a restore). ``nonfinite_step`` is
+  the step of the last non-finite value, -1 when there was none. The spike that opened the
+  latest episode opened by a spike is kept as ``spike_step`` (-1 when none), ``spike_value``,
+  ``spike_mean`` and ``spike_std`` (the window's statistics before it).
+* ``mean`` and ``std`` are the window's statistics before the last value. Statistics that do not
+  exist yet (before ``min_history`` values, before the first spike) read ``-inf``, so that a
+  maximum over ranks picks a rank that has them.
 """
 
 from __future__ import annotations
@@ -40,6 +48,13 @@ STAT_FIELDS = (
     "spikes_total",
     "nonfinite_total",
     "nonfinite",
+    "nonfinite_step",
+    "mean",
+    "std",
+    "spike_step",
+    "spike_value",
+    "spike_mean",
+    "spike_std",
 )
 
 _F64 = torch.float64
@@ -55,7 +70,13 @@ _STATE_KEYS = (
     "std",
     "spike",
     "nonfinite",
+    "step",
+    "nonfinite_step",
+    "spike_at",
 )
+# Added after the first release: a state without them still loads (with their initial values).
+_NEWER_KEYS = ("step", "nonfinite_step", "spike_at")
+_UNKNOWN = float("-inf")
 
 
 class SpikeDetector:
@@ -85,10 +106,21 @@ class SpikeDetector:
         self._nonfinite_total = scalar(0.0)
         # The last step, kept by reference (no copies per step) for stats().
         self._value = scalar(0.0)
-        self._mean = scalar(0.0)
+        self._mean = scalar(float("nan"))  # no window yet
         self._std = scalar(0.0)
         self._spike = scalar(False, torch.bool)
         self._nonfinite = scalar(False, torch.bool)
+        self._step = scalar(0.0)  # the step of the last update, from 1
+        self._nonfinite_step = scalar(-1.0)
+        # The spike that opened the latest episode: step, value, window mean and std before it.
+        self._spike_at = torch.tensor(
+            [-1.0, _UNKNOWN, _UNKNOWN, _UNKNOWN], dtype=_F64, device=self.device
+        )
+        self._initial = {key: getattr(self, f"_{key}").clone() for key in _NEWER_KEYS}
+
+    def set_step(self, step: int) -> None:
+        """Align the step count with the training loop's: ``step`` steps are done (no sync)."""
+        self._step.fill_(float(step))
 
     def update(self, value: torch.Tensor) -> torch.Tensor:
         """Take this step's value (a 1-element tensor); return whether it is non-finite (bool)."""
@@ -114,11 +146,16 @@ class SpikeDetector:
         count.add_(in_band).clamp_max_(cfg.window)
         calm = in_band if self.nonfinite_opens_episode else in_band | ~finite
         starts = (self._run >= cfg.recover_steps) > calm  # no episode yet, and out of band
-        self._spikes_total.add_(starts & spike)  # a NaN opens an episode but is no spike
+        opens = starts & spike  # a NaN opens an episode but is no spike
+        self._spikes_total.add_(opens)
         self._run.add_(1.0).mul_(calm)
         self._duration.add_(1.0).mul_(self._run < cfg.recover_steps)
         nonfinite = ~finite
         self._nonfinite_total.add_(nonfinite)
+        step = self._step.add_(1.0)
+        torch.where(nonfinite, step, self._nonfinite_step, out=self._nonfinite_step)
+        spike_at = self._spike_at
+        torch.where(opens, torch.stack((step, v, mean, std)), spike_at, out=spike_at)
         self._value, self._mean, self._std = v, mean, std
         self._spike, self._nonfinite = spike, nonfinite
         return nonfinite
@@ -128,6 +165,8 @@ class SpikeDetector:
         scored = (self._std > 0) & ~self._nonfinite
         zscore = torch.where(scored, (self._value - self._mean) / self._std, 0.0)
         active = self._run < self.cfg.recover_steps
+        window_stats = torch.stack((self._mean, self._std))  # known once the mean is
+        window_stats = torch.where(self._mean.isfinite(), window_stats, _UNKNOWN)
         fields = (
             self._value,
             zscore,
@@ -137,8 +176,10 @@ class SpikeDetector:
             self._spikes_total,
             self._nonfinite_total,
             self._nonfinite,
+            self._nonfinite_step,
         )
-        return torch.stack([f.to(_F64) for f in fields])
+        scalars = torch.stack([f.to(_F64) for f in fields])
+        return torch.cat((scalars, window_stats, self._spike_at))
 
     def stats_dict(self) -> dict[str, float]:
         """``stats()`` read to the host (one sync), keyed by STAT_FIELDS."""
@@ -149,7 +190,10 @@ class SpikeDetector:
         return {key: getattr(self, f"_{key}").clone() for key in _STATE_KEYS}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output (from any device); the window size must match."""
+        """Restore ``state_dict()`` output (from any device); the window size must match. A state
+        saved before the step keys existed loads with their initial values (no non-finite step,
+        no spike, step 0: the caller aligns it with ``set_step``)."""
+        state = {**self._initial, **state}
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
             raise ValueError(f"spike detector state lacks {', '.join(missing)}")

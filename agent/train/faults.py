@@ -43,13 +43,21 @@ class FaultInjector:
     step: int = field(default=0, init=False)
     active: dict[str, FaultConfig] = field(default_factory=dict, init=False)
     """The faults of ``step``, by kind (of two of a kind, the one configured last)."""
+    passed: int = field(default=0, init=False)
+    """The furthest step started: a ``once`` fault perturbs no step at or before it again."""
 
     def before_step(self, step: int) -> None:
         """Start ``step``: record the faults that begin at it, then crash, hang or stall."""
         if not self.faults:
             return
         self.step = step
-        self.active = {f.kind: f for f in self.faults if f.step <= step < f.step + f.duration}
+        first_pass = step > self.passed
+        self.passed = max(self.passed, step)
+        self.active = {
+            f.kind: f
+            for f in self.faults
+            if f.step <= step < f.step + f.duration and (first_pass or not f.once)
+        }
         for fault in self.active.values():
             if fault.step == step:
                 self.event("fault", **fault.model_dump())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sqlite3
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.notify.facts import Facts, RunFacts
@@ -56,6 +56,7 @@ class Dispatcher:
         integrations: Mapping[str, Integration],
         *,
         facts: RunFacts | None = None,
+        annotate: Callable[[AlertInfo], AlertInfo] | None = None,
     ) -> None:
         self.state = state
         self.store = NotifyStore(state)
@@ -72,6 +73,7 @@ class Dispatcher:
             for receiver in config.receivers
         }
         self.facts = facts
+        self.annotate = annotate
         self._next_prune = 0.0
 
     def step(self, now: float, firing: Sequence[Labels]) -> list[int]:
@@ -149,6 +151,8 @@ class Dispatcher:
                 # receiver still hears the end of what it was told
                 route = self.routes.get(group.route, self.route)
                 alerts = NotifyStore.group_alerts(db, group.id)
+                if self.annotate is not None:
+                    alerts = [self.annotate(a) for a in alerts]
                 muted = {
                     a.fingerprint
                     for a in alerts
@@ -163,6 +167,12 @@ class Dispatcher:
                     now + route.group_interval_s,
                 )
         return queued
+
+    def retell(self, fingerprint: str, now: float) -> None:
+        """Tell the receivers already told of this firing alert about it again at once (the
+        monitor acted on it), in the groups that hold it."""
+        with self.state.transaction() as db:
+            NotifyStore.retell(db, fingerprint, now)
 
     def _muted(
         self, labels: Labels, silences: list[Silence], firing: Sequence[Labels], now: float

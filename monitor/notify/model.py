@@ -26,6 +26,7 @@ class AlertInfo:
     ends_at: float | None = None  # when it resolved
     step: int | None = None  # the run's last completed step when the alert changed state
     actions: tuple[str, ...] = ()  # what was done about the run so far, e.g. "rolled back 1 time"
+    next_steps: tuple[str, ...] = ()  # what on-call can do, with the exact commands
 
     @property
     def name(self) -> str:
@@ -38,7 +39,14 @@ class AlertInfo:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AlertInfo:
-        return cls(**{**data, "value": float(data["value"]), "actions": tuple(data["actions"])})
+        return cls(
+            **{
+                **data,
+                "value": float(data["value"]),
+                "actions": tuple(data["actions"]),
+                "next_steps": tuple(data.get("next_steps", ())),
+            }
+        )
 
 
 @dataclass(frozen=True)

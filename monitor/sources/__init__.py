@@ -24,6 +24,7 @@ class TargetStatus:
     last_scrape: float | None  # wall time of the last attempt
     last_error: str | None
     scrape_duration_s: float | None
+    rank: str | None = None  # with run_id: the rank's ``rank`` label
 
 
 class Source(Protocol):

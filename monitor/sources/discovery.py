@@ -27,7 +27,8 @@ class DiscoveredTarget:
 
 def discover_agents(runs_root: Path) -> list[DiscoveredTarget]:
     """The targets of the runs under ``runs_root`` still worth scraping, the most recently
-    started run first (so that where two runs name one URL, the newer wins).
+    started run first (where two ``agent.json`` name one run, the newer counts). Two runs may
+    name one URL (a killed run's port reused by a new run): each is its own target.
 
     An ``agent.json`` that cannot be read is skipped, with one warning per content.
     """

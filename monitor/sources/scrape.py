@@ -2,6 +2,10 @@
 loop: target labels ``job`` and ``instance`` (clashing exposed labels become ``exported_*``),
 the synthetic ``up``, ``scrape_duration_seconds`` and ``scrape_samples_scraped``, and staleness
 markers for series that disappear, for every series of a failed scrape and for targets that go.
+
+A discovered target is one rank of one run: it also has the target labels ``run_id`` and
+``rank``, and an exposition whose series name another run or rank is not its data (the scrape
+fails), so a new run on a reused port never stands in for a dead one.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import requests
@@ -39,6 +44,9 @@ EXPORTED_PREFIX = "exported_"
 ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 """The text format only: prometheus-client would otherwise answer in OpenMetrics."""
 MAX_TIMEOUT_S = 10.0
+
+TargetKey = tuple[str, int] | str
+"""A discovered target's run and rank, or a static target's URL."""
 
 _parse_cached = functools.lru_cache(maxsize=1024)(parse)
 
@@ -88,9 +96,16 @@ class ExpositionParser:
     reused while the exposition keeps its shape (same lines up to the values), so a steady
     target costs one float conversion per sample."""
 
-    def __init__(self, target_labels: Mapping[str, str], keep_names: frozenset[str] | None) -> None:
+    def __init__(
+        self,
+        target_labels: Mapping[str, str],
+        keep_names: frozenset[str] | None,
+        owner: Mapping[str, str] | None = None,
+    ) -> None:
         self.target_labels = dict(target_labels)
-        self.run_id: str | None = None  # the ``run_id`` label of the exposed series
+        self.owner = dict(owner or {})  # run_id and rank: added to all series, and no other
+        self.run_id: str | None = None  # the ``run_id`` and ``rank`` exposed, as last seen
+        self.rank: str | None = None
         self.keep(keep_names)
 
     def keep(self, names: frozenset[str] | None) -> None:
@@ -128,7 +143,8 @@ class ExpositionParser:
                 continue
             keys.append(key)
             kept[key] = float(sample.value)
-            self.run_id = sample.labels.get("run_id") or self.run_id
+            if sample.labels.get("run_id"):
+                self.run_id, self.rank = sample.labels["run_id"], sample.labels.get("rank")
         reusable = len(samples) == len(values) and all(
             sample.timestamp is None and _same(float(sample.value), value)
             for sample, value in zip(samples, values, strict=False)
@@ -137,9 +153,18 @@ class ExpositionParser:
         return len(samples), kept
 
     def _key(self, name: str, labels: Mapping[str, str]) -> Labels | None:
+        if any(labels.get(label) not in ("", None, value) for label, value in self.owner.items()):
+            raise ScrapeError(
+                f"{_run_rank({**self.owner, **labels})} answered, not {_run_rank(self.owner)}"
+            )
         if self.keep_names is not None and name not in self.keep_names:
             return None
-        return with_target_labels(name, labels, self.target_labels)
+        return with_target_labels(name, {**labels, **self.owner}, self.target_labels)
+
+
+def _run_rank(labels: Mapping[str, str]) -> str:
+    """ "run R rank N", for errors."""
+    return f"run {labels['run_id']} rank {labels['rank']}"
 
 
 def _split(text: str) -> tuple[list[str], list[str]]:
@@ -176,17 +201,19 @@ class _Target:
         url: str,
         *,
         job: str,
-        run_id: str | None,
+        owner: Mapping[str, str],
         timeout_s: float,
         keep_names: frozenset[str] | None,
     ) -> None:
         self.url = url
-        self.run_id = run_id  # from discovery; None for a static target
+        self.owner = owner  # run_id and rank from discovery; empty for a static target
         self.timeout_s = timeout_s
         instance = instance_of(url)
         labels = {"job": job, "instance": instance}
-        self.report_keys = [make_labels({**labels, METRIC_NAME: name}) for name in REPORT_NAMES]
-        self.parser = ExpositionParser(labels, keep_names)
+        self.report_keys = [
+            make_labels({**labels, **owner, METRIC_NAME: name}) for name in REPORT_NAMES
+        ]
+        self.parser = ExpositionParser(labels, keep_names, owner)
         self.exposed: set[Labels] = set()
         self.session = requests.Session()
         self.session.trust_env = False  # no proxies from the environment, as Prometheus
@@ -197,7 +224,8 @@ class _Target:
                 "X-Prometheus-Scrape-Timeout-Seconds": f"{timeout_s:g}",
             }
         )
-        self.status = TargetStatus(redact_url(url), job, instance, run_id, None, None, None, None)
+        status = TargetStatus(redact_url(url), job, instance, None, None, None, None, None)
+        self.status = replace(status, run_id=owner.get("run_id"), rank=owner.get("rank"))
 
     def scrape(self, storage: MemoryStorage, t: float) -> None:
         """Scrape once and store the samples at ``t``, all at once; a failure stores ``up`` 0
@@ -219,11 +247,12 @@ class _Target:
             url=self.status.url,
             job=self.status.job,
             instance=self.status.instance,
-            run_id=self.run_id or self.parser.run_id,
+            run_id=self.owner.get("run_id", self.parser.run_id),
             up=error is None,
             last_scrape=t,
             last_error=error,
             scrape_duration_s=duration,
+            rank=self.owner.get("rank", self.parser.rank),
         )
 
     def forget(self, storage: MemoryStorage, t: float) -> None:
@@ -280,7 +309,7 @@ class ScrapeSource:
         self._keep_names = keep_names
         self.storage = MemoryStorage()
         self._clock = clock
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[TargetKey, _Target] = {}
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="lossguard-scrape")
         self._cycle = threading.Lock()
         self._stop = threading.Event()
@@ -338,29 +367,33 @@ class ScrapeSource:
                 self._history_start = t
 
     def _sync(self, t: float) -> list[_Target]:
-        """The targets to scrape now; those no longer wanted are forgotten."""
-        wanted: dict[str, str | None] = {}
+        """The targets to scrape now: one per rank of each discovered run (the newest run's, where
+        two name the same run and rank), then the static URLs no run names. Those no longer
+        wanted, or whose URL changed, are forgotten."""
+        wanted: dict[TargetKey, tuple[str, dict[str, str]]] = {}
         if self.runs_root is not None:
             for found in discover_agents(self.runs_root):
-                wanted.setdefault(found.url, found.run_id)
-        for url in self.static_targets:
-            wanted.setdefault(url, None)
+                owner = {"run_id": found.run_id, "rank": str(found.rank)}
+                wanted.setdefault((found.run_id, found.rank), (found.url, owner))
+        discovered = {url for url, _ in wanted.values()}
+        wanted.update((url, (url, {})) for url in self.static_targets if url not in discovered)
         current = self._targets
-        targets: dict[str, _Target] = {}
-        for url, run_id in wanted.items():
-            target = current.get(url) or _Target(
-                url,
-                job=self.job,
-                run_id=run_id,
-                timeout_s=self.timeout_s,
-                keep_names=self.keep_names,
-            )
-            target.run_id = run_id
-            targets[url] = target
+        targets: dict[TargetKey, _Target] = {}
+        for key, (url, owner) in wanted.items():
+            target = current.get(key)
+            if target is None or target.url != url:
+                target = _Target(
+                    url,
+                    job=self.job,
+                    owner=owner,
+                    timeout_s=self.timeout_s,
+                    keep_names=self.keep_names,
+                )
+            targets[key] = target
         self._targets = targets
-        for url, gone in current.items():
-            if url not in targets:
-                gone.forget(self.storage, t)
+        for key, old in current.items():
+            if targets.get(key) is not old:
+                old.forget(self.storage, t)
         return list(targets.values())
 
     def _cut(self, t: float) -> float:

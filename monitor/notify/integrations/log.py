@@ -39,12 +39,21 @@ class LogIntegration:
 
 
 def log_line(alert: AlertInfo, notification_id: int, notification: Notification) -> str:
-    """``FIRING LossSpike run=abc rank=0 step=120 value=3.2: <summary> (notification #7 to
-    console)``; newlines in annotations become spaces, so one alert is one line."""
+    """``FIRING LossSpike run=abc rank=0 step=120 value=3.2: <summary> -- <description> Done:
+    <actions>. Next: <next steps>. (notification #7 to console)``; newlines in annotations
+    become spaces, so one alert is one line."""
     text = f"{alert.status.upper()} {subject(alert)}"
     if alert.step is not None:
         text += f" step={alert.step}"
     text += f" value={value_display(alert.value)}"
     if alert.annotations.get("summary"):
         text += f": {alert.annotations['summary']}"
+    if alert.annotations.get("description"):
+        text += f" -- {alert.annotations['description']}"
+    if alert.annotations.get("diagnosis"):
+        text += f" Diagnosis: {alert.annotations['diagnosis']}."
+    if alert.actions:
+        text += f" Done: {'; '.join(alert.actions)}."
+    if alert.next_steps and alert.status == "firing":
+        text += f" Next: {'; '.join(alert.next_steps)}."
     return one_line(f"{text} (notification #{notification_id} to {notification.receiver})")

@@ -74,6 +74,7 @@ def pagerduty_event(alert: AlertInfo, links: Links) -> dict[str, Any]:
             "value": value_text(alert.value),  # text: NaN and infinities are not JSON
             "step": alert.step,
             "actions": list(alert.actions),
+            "next_steps": list(alert.next_steps),
             "fingerprint": alert.fingerprint,
         },
     }

@@ -115,9 +115,12 @@ def _names(alerts: list[AlertInfo] | tuple[AlertInfo, ...]) -> str:
 def _alert_section(alert: AlertInfo, links: Links) -> dict[str, Any]:
     emoji, word = STYLE[alert.status]
     lines = [f"{emoji} *{escape(alert.name)}* {word}"]
-    for title, key in (("Summary", "summary"), ("Description", "description")):
+    for title, key in ANNOTATIONS_SHOWN:
         if alert.annotations.get(key):
             lines.append(f"*{title}:* {escape(alert.annotations[key])}")
+    if alert.next_steps and alert.status == "firing":
+        lines.append("*Next steps:*")
+        lines += [f"• {escape(_command(step))}" for step in alert.next_steps]
     facts = {  # at most MAX_FIELDS
         "Severity": escape(alert.labels.get("severity", "")),
         "Run": escape(alert.labels.get(RUN_LABEL, "")),
@@ -136,6 +139,19 @@ def _alert_section(alert: AlertInfo, links: Links) -> dict[str, Any]:
         if value
     ]
     return {**_section("\n".join(lines)), "fields": fields}
+
+
+ANNOTATIONS_SHOWN = (
+    ("Summary", "summary"),
+    ("Description", "description"),
+    ("Diagnosis", "diagnosis"),
+)
+
+
+def _command(step: str) -> str:
+    """``what: command`` with the command as code."""
+    what, sep, command = step.partition(": ")
+    return f"{what}: `{command}`" if sep else step
 
 
 def _section(text: str) -> dict[str, Any]:

@@ -1,0 +1,159 @@
+"""Spike diagnosis: what was going on when a spike episode opened or a value went non-finite,
+and its probable causes by simple rules. Built at log intervals from numbers already read to the
+host (never on the per-step path). Torch-free.
+
+A diagnosis is a JSON-ready dict (no NaN: what is unknown or non-finite is None):
+
+    signal, step, nonfinite, value, zscore, window_mean, window_std,
+    grad_norm, grad_norm_ratio, lr, lr_before, lr_ratio, loss_scale, fp8_overflow_ratio,
+    data_position, causes
+
+``causes`` is a list of short English sentences, most telling first; empty when no rule
+applies to a spike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LR_RISE = 1.5
+"""A learning rate at least this many times the previous interval's is a probable cause."""
+GRAD_NORM_RISE = 5.0
+"""A gradient norm at least this many times its window mean is a probable cause."""
+
+
+def finite_or_none(value: Any) -> float | None:
+    """``value`` as a float, or None when it is missing or not finite."""
+    if value is None or isinstance(value, bool):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return finite_or_none(numerator / denominator)
+
+
+def _step(value: Any) -> int | None:
+    number = finite_or_none(value)
+    return int(number) if number is not None and number >= 0 else None
+
+
+@dataclass(frozen=True)
+class IntervalContext:
+    """What the Guard knows at the end of a log interval, beside the detector statistics."""
+
+    step: int  # the interval's last step
+    lr: float | None
+    lr_before: float | None  # at the end of the previous interval
+    loss_scale: float | None  # fp16 GradScaler scale now
+    loss_scale_before: float | None
+    fp16_unscaled: bool  # fp16 training without a GradScaler
+    grad_norm_max: float | None  # the interval's largest pre-clip norm (mean over ranks)
+    fp8_overflow: tuple[str, float] | None  # (tensor, worst overflow ratio) of the last sample
+    start_step: int  # the last step before this interval
+    start_position: int | None  # the data position then
+    end_position: int | None  # the data position now
+
+    def position_of(self, step: int) -> int | None:
+        """The data position of ``step``'s batch, when the interval's positions say how many
+        positions a step takes (the built-in sampler: one)."""
+        start, end = self.start_position, self.end_position
+        steps = self.step - self.start_step
+        if start is None or end is None or steps <= 0 or not self.start_step < step <= self.step:
+            return end
+        per_step, rest = divmod(end - start, steps)
+        if rest or per_step <= 0:
+            return end
+        return start + (step - self.start_step - 1) * per_step
+
+
+def diagnose(
+    signal: str,
+    *,
+    nonfinite: bool,
+    stats: Mapping[str, Mapping[str, float]],
+    context: IntervalContext,
+) -> dict[str, Any]:
+    """The diagnosis of ``signal``'s newest spike episode (``nonfinite``: its newest non-finite
+    value) from the detectors' statistics (``stats``: by signal, as ``Telemetry.publish``
+    returns them)."""
+    own = stats[signal]
+    if nonfinite:
+        step = _step(own.get("nonfinite_step"))
+        value = zscore = None
+        mean, std = finite_or_none(own.get("mean")), finite_or_none(own.get("std"))
+    else:
+        step = _step(own.get("spike_step"))
+        value = finite_or_none(own.get("spike_value"))
+        mean, std = finite_or_none(own.get("spike_mean")), finite_or_none(own.get("spike_std"))
+        zscore = _ratio(None if value is None or mean is None else value - mean, std)
+    if step is None:  # not recorded (a detector state from an older lossguard)
+        step = context.step
+    grad_norm, grad_norm_ratio = _grad_norm_at(step, stats.get("grad_norm", {}), context)
+    lr_ratio = _ratio(context.lr, context.lr_before)
+    position = context.position_of(step)
+    diagnosis: dict[str, Any] = {
+        "signal": signal,
+        "step": step,
+        "nonfinite": nonfinite,
+        "value": value,
+        "zscore": zscore,
+        "window_mean": mean,
+        "window_std": std,
+        "grad_norm": grad_norm,
+        "grad_norm_ratio": grad_norm_ratio,
+        "lr": finite_or_none(context.lr),
+        "lr_before": finite_or_none(context.lr_before),
+        "lr_ratio": lr_ratio,
+        "loss_scale": finite_or_none(context.loss_scale),
+        "fp8_overflow_ratio": context.fp8_overflow[1] if context.fp8_overflow else None,
+        "data_position": position,
+    }
+    diagnosis["causes"] = causes(diagnosis, context)
+    return diagnosis
+
+
+def _grad_norm_at(
+    step: int, grad: Mapping[str, float], context: IntervalContext
+) -> tuple[float | None, float | None]:
+    """The gradient norm at ``step`` and its ratio to the window mean: the grad-norm detector's
+    own record where it spiked or went non-finite at that step, else the interval's largest."""
+    if _step(grad.get("spike_step")) == step:
+        value = finite_or_none(grad.get("spike_value"))
+        return value, _ratio(value, finite_or_none(grad.get("spike_mean")))
+    if _step(grad.get("nonfinite_step")) == step:
+        return None, None
+    value = finite_or_none(context.grad_norm_max)
+    return value, _ratio(value, finite_or_none(grad.get("mean")))
+
+
+def causes(diagnosis: Mapping[str, Any], context: IntervalContext) -> list[str]:
+    """Probable causes, by simple rules on the diagnosis."""
+    found: list[str] = []
+    lr_ratio = diagnosis["lr_ratio"]
+    if lr_ratio is not None and lr_ratio >= LR_RISE:
+        found.append(f"learning rate rose {lr_ratio:.1f}x since the previous interval")
+    grad_ratio = diagnosis["grad_norm_ratio"]
+    if grad_ratio is not None and grad_ratio >= GRAD_NORM_RISE:
+        found.append(f"gradient norm {grad_ratio:.0f}x its window mean")
+    if context.fp16_unscaled:
+        found.append("fp16 training without loss scaling (no GradScaler)")
+    scale, before = context.loss_scale, context.loss_scale_before
+    if scale is not None and before is not None and scale < before:
+        found.append(f"fp16 loss scale fell from {before:g} to {scale:g} (gradient overflow)")
+    if context.fp8_overflow is not None and context.fp8_overflow[1] > 0:
+        tensor, ratio = context.fp8_overflow
+        found.append(f"FP8 overflow in {100 * ratio:.2g}% of values ({tensor})")
+    if found:
+        return found
+    position = diagnosis["data_position"]
+    at = f" (check the data at position {position})" if position is not None else ""
+    if diagnosis["nonfinite"]:
+        return [f"non-finite values in the forward or backward pass{at}"]
+    return [f"no learning-rate, gradient or precision change: probably the data{at}"]

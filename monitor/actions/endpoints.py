@@ -1,0 +1,72 @@
+"""Where a run's agent takes commands: its control socket, found through discovery, or the TCP
+address ``actions.agents`` gives for agents on other hosts (with the token from the
+environment)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lossguard.common.control_client import ControlClient
+from lossguard.monitor.actions.policy import ActionsConfig
+from lossguard.monitor.sources.discovery import DiscoveredTarget, discover_agents
+
+
+class NoEndpoint(Exception):
+    """No way to reach the run's agent is known (one line)."""
+
+
+class Endpoints:
+    """Opens a control client for a run."""
+
+    def __init__(self, config: ActionsConfig, runs_root: Path | None, timeout_s: float) -> None:
+        self.config = config
+        self.runs_root = runs_root
+        self.timeout_s = timeout_s
+
+    def client(self, run_id: str) -> ControlClient:
+        address = self.config.agents.get(run_id)
+        if address is not None:
+            token = os.environ.get(self.config.token_env)
+            if not token:
+                raise NoEndpoint(
+                    f"run {run_id} is reached over TCP but ${self.config.token_env} is not set"
+                )
+            host, _, port = address.rpartition(":")
+            return ControlClient(tcp=(host, int(port)), token=token, timeout=self.timeout_s)
+        return ControlClient(socket_path=self.socket_of(run_id), timeout=self.timeout_s)
+
+    def ctl_target(self, run_id: str) -> list[str] | None:
+        """How ``lossguard-ctl`` reaches the run (None: not known here)."""
+        address = self.config.agents.get(run_id)
+        if address is not None:
+            return ["--tcp", address, "--token-env", self.config.token_env]
+        try:
+            return ["--run-dir", str(self._rank0(run_id).run_dir)]
+        except NoEndpoint:
+            return None
+
+    def run_dir(self, run_id: str) -> Path | None:
+        """The run's directory under the runs root (None: not known here)."""
+        try:
+            return self._rank0(run_id).run_dir
+        except NoEndpoint:
+            return None
+
+    def socket_of(self, run_id: str) -> Path:
+        """Rank 0's control socket of ``run_id`` under the runs root."""
+        socket_path = self._rank0(run_id).socket_path
+        if socket_path is None:
+            raise NoEndpoint(f"run {run_id}: its agent.json names no control socket")
+        return socket_path
+
+    def _rank0(self, run_id: str) -> DiscoveredTarget:
+        if self.runs_root is None:
+            raise NoEndpoint(
+                f"run {run_id}: no control endpoint (set scrape.runs_root, or actions.agents "
+                "for an agent on another host)"
+            )
+        for target in discover_agents(self.runs_root):
+            if target.run_id == run_id and target.rank == 0:
+                return target
+        raise NoEndpoint(f"run {run_id}: no agent.json under {self.runs_root}")

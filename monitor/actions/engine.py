@@ -1,0 +1,148 @@
+"""The actions pipeline as the daemon uses it: firing alerts from the rules and from
+Alertmanager's webhook go through one planner (one decision per alert instance) to one runner
+(sends, with retries, recording every answer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from lossguard.monitor.actions.describe import describe, diagnosis_text
+from lossguard.monitor.actions.diagnosis import latest_diagnosis
+from lossguard.monitor.actions.endpoints import Endpoints
+from lossguard.monitor.actions.exhausted import ExhaustedPages
+from lossguard.monitor.actions.intake import IncomingAlert
+from lossguard.monitor.actions.model import ActionAlert
+from lossguard.monitor.actions.next_steps import next_steps
+from lossguard.monitor.actions.planner import ActionPlanner
+from lossguard.monitor.actions.policy import ACTION_LABEL, ActionsConfig
+from lossguard.monitor.actions.runner import ActionRunner, Done, Observe
+from lossguard.monitor.actions.store import ActionStore
+from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo
+from lossguard.monitor.notify.silences import SilenceStore
+from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
+from lossguard.monitor.state import StateStore
+from lossguard.monitor.validation import seconds
+
+log = logging.getLogger("lossguard.monitor.actions")
+EVENTS_FILE = "events.jsonl"
+EXTERNAL_TTL_S = 24 * 3600  # an Alertmanager alert never heard of again is forgotten
+
+
+class Actions:
+    """Plans and runs the actions the firing alerts ask for."""
+
+    def __init__(
+        self,
+        config: ActionsConfig,
+        state: StateStore,
+        silences: SilenceStore,
+        *,
+        runs_root: Path | None,
+        config_path: str | None = None,
+        observe: Observe,
+        on_done: Done,
+    ) -> None:
+        self.config = config
+        self.store = ActionStore(state)
+        self.pages = ExhaustedPages(state)
+        self.planner = ActionPlanner(config, self.store, silences, self.pages, observe)
+        self.endpoints = Endpoints(config, runs_root, seconds(config.timeout))
+        self.config_path = config_path
+        self.runner = ActionRunner(
+            self.store,
+            self.endpoints,
+            retry_for_s=seconds(config.retry_for),
+            observe=observe,
+            on_done=on_done,
+        )
+        self._external: dict[str, tuple[ActionAlert, float]] = {}  # request id -> (alert, until)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self.runner.start()
+
+    def stop(self) -> None:
+        self.runner.stop()
+
+    def step(self, rule_alerts: Iterable[Alert], now: float) -> int:
+        """Decide about every firing action alert; wake the runner. How many were recorded."""
+        firing = [
+            ActionAlert(
+                fingerprint=a.fingerprint,
+                labels=a.labels,
+                annotations=a.annotations,
+                starts_at=a.active_at,
+                value=a.value,
+            )
+            for a in rule_alerts
+            if a.state is AlertState.FIRING and ACTION_LABEL in a.labels
+        ]
+        with self._lock:
+            self._external = {k: v for k, v in self._external.items() if v[1] > now}
+            firing += [alert for alert, _ in self._external.values()]
+        recorded = self.planner.plan(firing, now)
+        for record in recorded:
+            log.warning(
+                "action for run %s (%s): %s", record.run_id, record.alertname, describe(record)
+            )
+        if recorded:
+            self.runner.wake()
+        return len(recorded)
+
+    def receive(self, alerts: list[IncomingAlert], now: float) -> None:
+        """Take alerts from Alertmanager's webhook: the firing ones with an action label join
+        the next decision; resolved ones leave."""
+        with self._lock:
+            for incoming in alerts:
+                if ACTION_LABEL not in incoming.labels:
+                    continue
+                alert = ActionAlert(
+                    fingerprint=fingerprint(incoming.labels),
+                    labels=dict(incoming.labels),
+                    annotations=dict(incoming.annotations),
+                    starts_at=incoming.starts_at,
+                    value=float("nan"),
+                    origin="alertmanager",
+                )
+                if incoming.status == "resolved":
+                    self._external.pop(alert.request_id, None)
+                else:
+                    self._external[alert.request_id] = (alert, now + EXTERNAL_TTL_S)
+
+    def annotate(self, alert: AlertInfo) -> AlertInfo:
+        """The alert as on-call reads it: the agent's diagnosis where it is about a detector
+        signal, what the monitor did about it (in words, oldest first), and the commands for
+        what to do next."""
+        run_id = alert.labels.get(RUN_LABEL)
+        if not run_id:
+            return alert
+        # this alert instance's actions (its labels may have fired before)
+        done = [
+            r for r in self.store.of_alert(alert.fingerprint) if r.created_at >= alert.starts_at
+        ]
+        recent = self.store.of_run(run_id, alert.starts_at - seconds(self.config.rollback.window))
+        return dataclasses.replace(
+            alert,
+            annotations=self._with_diagnosis(alert, run_id),
+            actions=tuple(describe(r) for r in done) or alert.actions,
+            next_steps=next_steps(
+                run_id,
+                recent,
+                ctl_target=self.endpoints.ctl_target(run_id),
+                config_path=self.config_path,
+            ),
+        )
+
+    def _with_diagnosis(self, alert: AlertInfo, run_id: str) -> dict[str, str]:
+        """The annotations, with a ``diagnosis`` of the latest detection of the alert's
+        ``signal`` in the run's current timeline (runs under the runs root only)."""
+        signal = alert.labels.get("signal")
+        run_dir = self.endpoints.run_dir(run_id) if signal and alert.status == "firing" else None
+        found = latest_diagnosis(run_dir / EVENTS_FILE, signal) if run_dir and signal else None
+        if found is None:
+            return alert.annotations
+        return {**alert.annotations, "diagnosis": diagnosis_text(found)}

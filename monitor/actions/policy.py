@@ -1,0 +1,123 @@
+"""The ``actions`` section of ``monitor.yml``: what the monitor does when an alert carrying an
+``action`` label fires, how often, and what happens when its rollbacks are spent.
+
+Defaults follow practice: restart from the last good checkpoint and skip the batches the
+abandoned steps trained on (PaLM restarted ~100 steps before a spike and skipped 200-500
+batches); lower the learning rate when a divergence comes back (OPT)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from lossguard.common.config import Section
+from lossguard.common.protocol import parse_target
+from lossguard.monitor.validation import seconds
+
+ACTION_LABEL = "action"
+ACTIONS = ("rollback", "pause", "stop", "checkpoint")
+COMMAND_OF = {"rollback": "rollback", "pause": "pause", "stop": "stop", "checkpoint": "save"}
+"""The control command each action sends."""
+HOST_PORT = re.compile(r"^[^:\s]+:\d{1,5}$")
+
+
+def _duration(value: Any) -> str:
+    text = str(value)
+    if seconds(text) < 0:
+        raise ValueError("must not be negative")
+    return text
+
+
+class RollbackPolicy(Section):
+    target: str | int = Field(
+        default="last_good", description="last_good, best, latest or a step number."
+    )
+    skip_batches: Literal["abandoned"] | int = Field(
+        default="abandoned",
+        description="Batches to pass over after restoring: a number, or 'abandoned' for as "
+        "many as the steps rolled back (the abandoned timeline's data does not recur).",
+    )
+    lr_scale: list[float] = Field(
+        default_factory=lambda: [1.0, 0.5],
+        min_length=1,
+        description="Factor applied to the run's learning rate at each attempt (attempt i "
+        "uses the i-th, the last repeats): by default the second and later halve it again.",
+    )
+    max_attempts: int = Field(default=3, ge=1, description="Rollbacks per run per window.")
+    window: str = Field(default="1h", description="The window max_attempts counts in.")
+    cooldown: str = Field(default="30s", description="Least time between two rollbacks of one run.")
+    on_exhausted: Literal["pause", "stop", "none"] = Field(
+        default="pause",
+        description="What to do when the attempts are spent (besides the RollbacksExhausted "
+        "page): pause keeps the process and its state for a human.",
+    )
+
+    @field_validator("target", mode="before")
+    @classmethod
+    def _target(cls, value: Any) -> str | int:
+        return parse_target(value)
+
+    @field_validator("skip_batches")
+    @classmethod
+    def _skip(cls, value: str | int) -> str | int:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be >= 0 or 'abandoned'")
+        return value
+
+    @field_validator("lr_scale")
+    @classmethod
+    def _scales(cls, value: list[float]) -> list[float]:
+        if any(not 0 < s <= 1 for s in value):
+            raise ValueError("each factor must be in (0, 1]")
+        return value
+
+    @field_validator("window", "cooldown", mode="before")
+    @classmethod
+    def _durations(cls, value: Any) -> str:
+        return _duration(value)
+
+    def scale_for(self, attempt: int) -> float:
+        """The learning-rate factor of rollback ``attempt`` (1-based)."""
+        return self.lr_scale[min(attempt, len(self.lr_scale)) - 1]
+
+
+class ActionsConfig(Section):
+    enabled: bool = Field(default=True, description="Act on alerts with an action label.")
+    dry_run: bool = Field(
+        default=False, description="Announce and record what would be done; send nothing."
+    )
+    timeout: str = Field(
+        default="2m", description="Wait this long for the agent to apply a command."
+    )
+    retry_for: str = Field(
+        default="10m", description="Keep retrying an unreachable agent this long, then fail."
+    )
+    rollback: RollbackPolicy = Field(default_factory=RollbackPolicy)
+    agents: dict[str, str] = Field(
+        default_factory=dict,
+        description="run_id: HOST:PORT of the control TCP listener of agents on other hosts "
+        "(agents under scrape.runs_root are reached through their control socket).",
+    )
+    token_env: str = Field(
+        default="LOSSGUARD_CONTROL_TOKEN",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the agents' TCP control token.",
+    )
+
+    @field_validator("timeout", "retry_for", mode="before")
+    @classmethod
+    def _durations(cls, value: Any) -> str:
+        text = _duration(value)
+        if seconds(text) <= 0:
+            raise ValueError("must be a positive duration")
+        return text
+
+    @field_validator("agents")
+    @classmethod
+    def _addresses(cls, agents: dict[str, str]) -> dict[str, str]:
+        for run_id, address in agents.items():
+            if not HOST_PORT.match(address) or int(address.rpartition(":")[2]) > 65535:
+                raise ValueError(f"{run_id}: expected HOST:PORT, got {address!r}")
+        return agents

@@ -1,0 +1,334 @@
+"""The actions pipeline's decisions on a real state database: one action per alert instance,
+attempts, cooldown, budget and the RollbacksExhausted page, silences, dry runs, and the runner's
+retries against an agent that cannot be reached."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from lossguard.monitor.actions.describe import describe, diagnosis_text
+from lossguard.monitor.actions.diagnosis import latest_diagnosis
+from lossguard.monitor.actions.endpoints import Endpoints
+from lossguard.monitor.actions.exhausted import ExhaustedPages
+from lossguard.monitor.actions.model import ActionAlert, ActionRecord
+from lossguard.monitor.actions.next_steps import next_steps
+from lossguard.monitor.actions.planner import ActionPlanner
+from lossguard.monitor.actions.policy import ActionsConfig
+from lossguard.monitor.actions.runner import ActionRunner
+from lossguard.monitor.actions.store import ActionStore
+from lossguard.monitor.notify.silences import SilenceStore
+from lossguard.monitor.rules.alerting import fingerprint
+from lossguard.monitor.state import StateStore
+
+T0 = 1_700_000_000.0
+
+
+def alert(
+    run: str = "r1", starts_at: float = T0, action: str = "rollback", **extra: str
+) -> ActionAlert:
+    labels = {
+        "alertname": "LossNonFinite",
+        "run_id": run,
+        "rank": "0",
+        "action": action,
+        "severity": "critical",
+        **extra,
+    }
+    return ActionAlert(fingerprint(labels), labels, {"summary": "s"}, starts_at, 812.0)
+
+
+class Pipeline:
+    def __init__(self, tmp_path: Path, **config: object) -> None:
+        self.state = StateStore(tmp_path / "state.db")
+        self.config = ActionsConfig.model_validate(config)
+        self.store = ActionStore(self.state)
+        self.silences = SilenceStore(self.state)
+        self.pages = ExhaustedPages(self.state)
+        self.observed: list[tuple[str, str]] = []
+        self.planner = ActionPlanner(
+            self.config,
+            self.store,
+            self.silences,
+            self.pages,
+            lambda kind, result: self.observed.append((kind, result)),
+        )
+
+    def plan(self, *alerts: ActionAlert, at: float) -> list[ActionRecord]:
+        return self.planner.plan(alerts, at)
+
+    def apply(self, record: ActionRecord, at: float, **result: object) -> None:
+        self.store.update(record.id, "applied", at, result=dict(result), tried=True)
+
+    def events(self) -> list[tuple[str, str]]:
+        return [
+            (e.transition.kind.value, e.transition.alert.labels["alertname"])
+            for e in self.state.events()
+        ]
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path) -> Pipeline:
+    return Pipeline(tmp_path, rollback={"cooldown": "30s", "max_attempts": 2})
+
+
+def test_one_action_per_alert_instance_recorded_before_it_is_sent(pipeline: Pipeline) -> None:
+    first = alert()
+    [record] = pipeline.plan(first, at=T0 + 1)
+    assert record.id == first.request_id == pipeline.store.get(first.request_id).id  # type: ignore[union-attr]
+    assert record.state == "pending" and (record.attempt, record.of_attempts) == (1, 2)
+    assert record.args == {"target": "last_good", "skip_batches": "abandoned", "lr_scale": 1.0}
+    assert pipeline.plan(first, at=T0 + 2) == []  # the same instance, every evaluation after
+    assert pipeline.plan(first, at=T0 + 100) == []  # also once applied
+    assert [r.id for r in pipeline.store.open()] == [first.request_id]
+
+
+def test_a_recurrence_gets_the_next_attempt_after_the_cooldown_with_a_lower_lr(
+    pipeline: Pipeline,
+) -> None:
+    [first] = pipeline.plan(alert(starts_at=T0), at=T0)
+    again = alert(starts_at=T0 + 10)  # the divergence came back: a new alert instance
+    assert pipeline.plan(again, at=T0 + 10) == []  # the first is still in flight
+    pipeline.apply(first, T0 + 11, from_step=812, to_step=700)
+    assert pipeline.plan(again, at=T0 + 12) == []  # cooldown: 30 s from the first
+    [second] = pipeline.plan(again, at=T0 + 31)
+    assert (second.attempt, second.args["lr_scale"]) == (2, 0.5)
+    assert second.id == again.request_id != first.id
+
+
+def test_spent_budget_pages_once_pauses_and_resolves_when_quiet(pipeline: Pipeline) -> None:
+    for i in range(2):
+        [done] = pipeline.plan(alert(starts_at=T0 + 100 * i), at=T0 + 100 * i)
+        pipeline.apply(done, T0 + 100 * i + 1)
+    third = alert(starts_at=T0 + 200)
+    [pause] = pipeline.plan(third, at=T0 + 200)
+    assert (pause.kind, pause.id, pause.args) == ("pause", f"{third.request_id}-pause", {})
+    refused = pipeline.store.get(third.request_id)
+    assert refused is not None and refused.state == "failed"
+    assert "2 rollbacks in the last 1h already" in refused.reason
+    assert pipeline.plan(third, at=T0 + 201) == []  # decided once
+    assert pipeline.events() == [("firing", "RollbacksExhausted")]
+    [page] = pipeline.pages.firing()
+    assert page["labels"]["run_id"] == "r1" and page["labels"]["severity"] == "critical"
+    assert "Training is paused" in page["annotations"]["description"]
+    pipeline.plan(third, at=T0 + 202)  # still diverging: still firing, not repeated
+    assert pipeline.events() == [("firing", "RollbacksExhausted")]
+    pipeline.plan(at=T0 + 300)  # no rollback alert fires any more
+    assert pipeline.events() == [
+        ("firing", "RollbacksExhausted"),
+        ("resolved", "RollbacksExhausted"),
+    ]
+    assert pipeline.pages.firing() == []
+    # an hour on, the budget is back
+    [fresh] = pipeline.plan(alert(starts_at=T0 + 4000), at=T0 + 4000)
+    assert fresh.kind == "rollback" and fresh.attempt == 1
+
+
+def test_a_silence_holds_the_action_back_until_it_ends(pipeline: Pipeline) -> None:
+    silence = pipeline.silences.add(
+        ['run_id="r1"'], T0, T0 + 60, created_by="op", comment="looking", now=T0
+    )
+    held = alert()
+    assert pipeline.plan(held, at=T0 + 1) == []
+    record = pipeline.store.get(held.request_id)
+    assert record is not None and record.state == "held" and silence.id in record.reason
+    assert "held by silence" in describe(record)
+    assert pipeline.plan(held, at=T0 + 2) == []  # recorded once
+    [released] = pipeline.plan(held, at=T0 + 61)  # the silence has ended, it still fires
+    assert released.id == held.request_id and released.state == "pending"
+    assert pipeline.observed == [("rollback", "held")]
+
+
+def test_a_held_action_whose_alert_ends_is_dropped_unsent(pipeline: Pipeline) -> None:
+    pipeline.silences.add(['run_id="r1"'], T0, T0 + 60, created_by="op", comment="x", now=T0)
+    held = alert()
+    assert pipeline.plan(held, at=T0 + 1) == []
+    assert pipeline.plan(at=T0 + 2) == []  # the alert resolved under the silence
+    record = pipeline.store.get(held.request_id)
+    assert record is not None and record.state == "dropped" and not record.is_open
+    assert describe(record).startswith("not done, held by silence")
+    assert "its alert ended first" in describe(record)
+    assert pipeline.plan(at=T0 + 61) == []  # nothing left to send once the silence ends
+    assert pipeline.observed == [("rollback", "held"), ("rollback", "dropped")]
+
+
+def test_dry_run_records_and_announces_only(tmp_path: Path) -> None:
+    pipeline = Pipeline(tmp_path, dry_run=True)
+    first = alert()
+    assert pipeline.plan(first, at=T0) == []
+    record = pipeline.store.get(first.request_id)
+    assert record is not None and record.state == "dry_run"
+    assert describe(record).startswith("dry run, not sent: would roll back to last_good")
+    assert pipeline.observed == [("rollback", "dry_run")]
+
+
+@pytest.mark.parametrize(
+    ("labels", "why"),
+    [({"run_id": ""}, "no run_id label"), ({"action": "reboot"}, "unknown action 'reboot'")],
+)
+def test_an_alert_that_cannot_be_acted_on_is_recorded_as_failed(
+    pipeline: Pipeline, labels: dict[str, str], why: str
+) -> None:
+    base = alert()
+    odd = ActionAlert(
+        base.fingerprint, {**base.labels, **labels}, base.annotations, base.starts_at, 1.0
+    )
+    assert pipeline.plan(odd, at=T0) == []
+    record = pipeline.store.get(odd.request_id)
+    assert record is not None and record.state == "failed" and why in record.reason
+
+
+def test_other_actions_are_sent_once_without_a_budget(pipeline: Pipeline) -> None:
+    [save] = pipeline.plan(alert(action="checkpoint"), at=T0)
+    [save_again] = pipeline.plan(alert(action="checkpoint", starts_at=T0 + 1), at=T0 + 1)
+    assert save.kind == save_again.kind == "checkpoint" and save.args == {}
+
+
+def test_the_runner_retries_an_unreachable_agent_then_gives_up(tmp_path: Path) -> None:
+    pipeline = Pipeline(tmp_path)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    now = time.time()
+    [record] = pipeline.plan(alert(starts_at=now), at=now)
+    done: list[ActionRecord] = []
+    runner = ActionRunner(
+        pipeline.store,
+        Endpoints(pipeline.config, runs, timeout_s=1.0),
+        retry_for_s=3600.0,
+        observe=lambda kind, result: pipeline.observed.append((kind, result)),
+        on_done=done.append,
+    )
+    assert runner.send(record) == 0.5  # no agent.json for r1: tried again later
+    kept = pipeline.store.get(record.id)
+    assert kept is not None and kept.state == "pending" and kept.tries == 1
+    assert "no agent.json under" in kept.reason and done == []
+    runner.retry_for_s = 0.0
+    assert runner.send(kept) is None
+    failed = pipeline.store.get(record.id)
+    assert (
+        failed is not None
+        and failed.state == "failed"
+        and failed.reason.startswith("gave up after 2 tries")
+    )
+    assert [d.id for d in done] == [record.id]
+    assert pipeline.observed == [("rollback", "retry"), ("rollback", "failed")]
+
+
+def test_applied_rollback_in_words() -> None:
+    record = ActionRecord(
+        id="lg-x",
+        run_id="r1",
+        kind="rollback",
+        alertname="LossNonFinite",
+        fingerprint="f",
+        labels={},
+        origin="rules",
+        args={"target": "last_good", "skip_batches": "abandoned", "lr_scale": 0.5},
+        state="applied",
+        created_at=T0,
+        updated_at=T0,
+        attempt=2,
+        of_attempts=3,
+        result={
+            "from_step": 812,
+            "to_step": 700,
+            "checkpoint": "step_00000700",
+            "skipped_batches": 112,
+            "lr_scale": 0.5,
+            "abandoned": {
+                "signal": "loss",
+                "step": 805,
+                "nonfinite": True,
+                "value": None,
+                "causes": ["a bad batch: data position 805"],
+            },
+        },
+    )
+    assert describe(record) == (
+        "rolled back from step 812 to step 700 (step_00000700), skipped 112 batches, "
+        "lr scaled by 0.5 (run's lr scale now 0.5), attempt 2 of 3. "
+        "At step 805 the loss was not finite; probable cause: a bad batch: data position 805"
+    )
+    assert diagnosis_text(
+        {
+            "signal": "grad_norm",
+            "step": 9,
+            "value": 40.0,
+            "zscore": 8.0,
+            "window_mean": 2.0,
+            "causes": [],
+        }
+    ) == ("At step 9 the grad norm spiked to 40 (8.0 std above its window mean 2)")
+
+
+def test_next_steps_are_the_commands_for_what_was_done() -> None:
+    def done(kind: str, **result: object) -> ActionRecord:
+        return ActionRecord(
+            id=kind,
+            run_id="r 1",
+            kind=kind,
+            alertname="LossNonFinite",
+            fingerprint="f",
+            labels={},
+            origin="rules",
+            args={},
+            state="applied",
+            created_at=T0,
+            updated_at=T0,
+            result=dict(result),
+        )
+
+    steps = next_steps(
+        "r 1",
+        [done("rollback", lr_scale=0.5), done("pause", paused=True)],
+        ctl_target=["--run-dir", "/runs/r 1"],
+        config_path="/etc/lossguard/monitor.yml",
+    )
+    assert steps == (
+        "look at the run: lossguard-ctl --run-dir '/runs/r 1' status",
+        "resume it once fixed: lossguard-ctl --run-dir '/runs/r 1' resume",
+        "restore the scheduled learning rate: lossguard-ctl --run-dir '/runs/r 1' set-lr-scale 1",
+        "list the checkpoints: lossguard-ctl --run-dir '/runs/r 1' checkpoints",
+        "hold this run's alerts and actions: lossguard-monitor silence add --config "
+        "/etc/lossguard/monitor.yml 'run_id=\"r 1\"' --duration 2h --comment investigating",
+    )
+    assert next_steps("r", [], ctl_target=None, config_path=None) == (
+        "hold this run's alerts and actions: lossguard-monitor silence add 'run_id=\"r\"' "
+        "--duration 2h --comment investigating",
+    )
+
+
+def test_the_diagnosis_is_the_newest_detection_of_the_signal_in_the_current_timeline(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "events.jsonl"
+
+    def detection(step: int, signal: str = "loss") -> dict[str, object]:
+        return {"event": "spike", "step": step + 3, "signal": signal, "diagnosis": {"step": step}}
+
+    lines = [
+        detection(90),
+        detection(120),
+        detection(125, "grad_norm"),
+        {"event": "rollback", "step": 100, "to_step": 100},  # abandons the detection at 120
+        {"event": "command", "step": 100},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"event": "sp')
+    assert latest_diagnosis(path, "loss") == {"step": 90}
+    assert latest_diagnosis(path, "grad_norm") is None
+    with path.open("a") as file:
+        file.write("\n" + json.dumps(detection(140)) + "\n")
+    assert latest_diagnosis(path, "loss") == {"step": 140}
+    assert latest_diagnosis(tmp_path / "missing.jsonl", "loss") is None
+
+
+def test_actions_are_read_inside_a_transaction_of_the_same_thread(tmp_path: Path) -> None:
+    """The dispatcher annotates the alerts it flushes (inside its transaction) with their
+    actions: reading the store there must not wait for the transaction to end."""
+    state = StateStore(tmp_path / "state.db")
+    store = ActionStore(state)
+    with state.transaction():
+        assert store.of_alert("f") == []

@@ -1,0 +1,412 @@
+"""Alertmanager's webhook into the monitor: the payload (version 4) parsed, including one the
+real Alertmanager sent, and ``POST /api/v1/alertmanager`` on a real MonitorServer (auth, limits,
+content type, methods) and in the real daemon (a network listener without a token is refused)."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from prometheus_client import CollectorRegistry
+
+from lossguard.common.config import ConfigError
+from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_webhook
+from lossguard.monitor.api import ALERTMANAGER_PATH, MAX_BODY_BYTES, MonitorServer
+from lossguard.monitor.config import ListenConfig, is_loopback, webhook_token
+from tests.alert_stack import webhook_receiver
+from tests.amserver import alertmanager, amtool, capture_server
+from tests.conftest import REPO, monitor_cli, wait_for
+
+TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
+TOKEN = "s3cret-t0ken-for-tests"
+
+# As Alertmanager 0.25 sends it (the shape of the configuration docs' webhook_config payload):
+# nanosecond times with a zone offset, Go's zero time for an unset endsAt.
+PAYLOAD: dict[str, Any] = {
+    "receiver": "lossguard-monitor",
+    "status": "firing",
+    "alerts": [
+        {
+            "status": "firing",
+            "labels": {
+                "alertname": "LossNonFinite",
+                "action": "rollback",
+                "run_id": "gpt2-a",
+                "rank": "0",
+                "severity": "critical",
+            },
+            "annotations": {
+                "summary": "Non-finite loss at step 805 of run gpt2-a",
+                "runbook_url": "https://runbooks.example/lossguard/docs/runbook.md#lossnonfinite",
+            },
+            "startsAt": "2024-05-02T09:52:26.739266876+02:00",
+            "endsAt": "0001-01-01T00:00:00Z",
+            "generatorURL": "http://prometheus:9090/graph?g0.expr=lossguard_nonfinite_step&g0.tab=1",
+            "fingerprint": "1a30ba71cca2921f",
+        },
+        {
+            "status": "resolved",
+            "labels": {"alertname": "TrainingStalled", "run_id": "gpt2-a", "rank": "0"},
+            "annotations": {},
+            "startsAt": "2024-05-02T07:40:00Z",
+            "endsAt": "2024-05-02T07:50:00.5Z",
+            "generatorURL": "",
+            "fingerprint": "bc97ff14869b13e3",
+        },
+    ],
+    "groupLabels": {"alertname": "LossNonFinite"},
+    "commonLabels": {"run_id": "gpt2-a", "rank": "0"},
+    "commonAnnotations": {},
+    "externalURL": "http://alertmanager:9093",
+    "version": "4",
+    "groupKey": '{}/{action=~".+"}:{alertname="LossNonFinite"}',
+    "truncatedAlerts": 0,
+}
+
+
+def body(payload: Any = PAYLOAD) -> bytes:
+    return json.dumps(payload).encode()
+
+
+def changed(path: str, value: Any = None, *, delete: bool = False) -> dict[str, Any]:
+    """PAYLOAD with the field at ``path`` (``alerts.0.labels``) set or deleted."""
+    payload = json.loads(body())
+    *parents, last = path.split(".")
+    node = payload
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    key: Any = int(last) if isinstance(node, list) else last
+    if delete:
+        del node[key]
+    else:
+        node[key] = value
+    return payload
+
+
+def test_a_v4_payload_becomes_incoming_alerts() -> None:
+    firing, resolved = parse_webhook(body())
+    assert firing == IncomingAlert(
+        status="firing",
+        labels=PAYLOAD["alerts"][0]["labels"],
+        annotations=PAYLOAD["alerts"][0]["annotations"],
+        starts_at=1714636346.739266,  # 07:52:26.739266 UTC, nanoseconds cut to microseconds
+        ends_at=None,  # Go's zero time: not set
+        generator_url=PAYLOAD["alerts"][0]["generatorURL"],
+        source_fingerprint="1a30ba71cca2921f",
+    )
+    assert resolved.status == "resolved"
+    assert resolved.starts_at == 1714635600.0 and resolved.ends_at == 1714636200.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        firing.status = "resolved"  # type: ignore[misc]
+
+
+def test_unknown_fields_are_tolerated_and_optional_ones_default() -> None:
+    payload = changed("orgId", 1)
+    payload["alerts"][0].update(silenceURL="http://x", values={"B": 1.5})
+    for name in ("annotations", "endsAt", "generatorURL", "fingerprint"):
+        del payload["alerts"][0][name]
+    for name in ("truncatedAlerts", "groupLabels", "commonLabels", "externalURL"):
+        del payload[name]
+    (alert, _) = parse_webhook(body(payload))
+    assert alert.annotations == {} and alert.ends_at is None
+    assert alert.generator_url == "" and alert.source_fingerprint == ""
+    assert parse_webhook(body(changed("alerts", []))) == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{", "body is not JSON: Expecting property name enclosed in double quotes at line 1"),
+        (b"\xff\xfe{", "body is not UTF-8 JSON"),
+        (b"[]", "body is not a JSON object but list"),
+        (body(changed("version", "3")), "version: expected Alertmanager's webhook payload "),
+        (body(changed("version", 4)), "got 4"),
+        (body(changed("version", delete=True)), "got None"),
+        (body(changed("alerts", delete=True)), "alerts: missing"),
+        (body(changed("groupKey", delete=True)), "groupKey: missing"),
+        (body(changed("status", "pending")), "status: input should be 'firing' or 'resolved'"),
+        (body(changed("alerts.0.labels", delete=True)), "alerts[0].labels: missing"),
+        (body(changed("alerts.1.startsAt", delete=True)), "alerts[1].startsAt: missing"),
+        (body(changed("alerts.0.labels.rank", 0)), "alerts[0].labels.rank: input should be a"),
+        (body(changed("alerts.0.startsAt", "yesterday")), "alerts[0].startsAt: not an RFC 3339"),
+        (body(changed("alerts.0.startsAt", "2024-05-02T09:52:26")), "no time zone"),
+        (body(changed("alerts.0.startsAt", "0001-01-01T00:00:00Z")), "must be set"),
+        (body(changed("alerts.0.endsAt", 17)), "alerts[0].endsAt: must be an RFC 3339 time"),
+        (body(changed("truncatedAlerts", -1)), "truncatedAlerts: input should be greater"),
+    ],
+)
+def test_bad_payloads_name_the_problem_in_one_line(raw: bytes, message: str) -> None:
+    with pytest.raises(IntakeError) as caught:
+        parse_webhook(raw)
+    text = str(caught.value)
+    assert message in text and "\n" not in text, text
+
+
+def test_what_the_real_alertmanager_sends_parses(tmp_path: Path) -> None:
+    with capture_server() as sink:
+        config = {
+            "route": {"receiver": "sink", "group_wait": "0s", "group_by": ["alertname"]},
+            "receivers": [webhook_receiver("sink", sink.url("/hook"))],
+        }
+        with alertmanager(tmp_path / "am", config) as am:
+            am.post_alerts(
+                [
+                    {
+                        "labels": PAYLOAD["alerts"][0]["labels"],
+                        "annotations": {"summary": "NaN"},
+                        "startsAt": "2024-05-02T09:52:26.739266876+02:00",
+                        "generatorURL": "http://prometheus:9090/graph",
+                    }
+                ]
+            )
+            (sent,) = wait_for(lambda: sink.bodies("/hook"), 20, "the webhook")
+    (alert,) = parse_webhook(body(sent))
+    assert alert.status == "firing" and alert.labels == PAYLOAD["alerts"][0]["labels"]
+    assert alert.starts_at == 1714636346.739266 and alert.annotations == {"summary": "NaN"}
+    assert alert.generator_url == "http://prometheus:9090/graph"
+    assert len(alert.source_fingerprint) == 16  # Alertmanager's label fingerprint
+
+
+# ---------------------------------------------------------------------- the route, served
+
+
+class Received:
+    def __init__(self) -> None:
+        self.batches: list[list[IncomingAlert]] = []
+
+    def __call__(self, alerts: list[IncomingAlert]) -> None:
+        self.batches.append(alerts)
+
+
+@pytest.fixture
+def received() -> Received:
+    return Received()
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch, received: Received) -> Iterator[MonitorServer]:
+    """A MonitorServer on a free port with the token from the environment, as the daemon
+    builds it."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    served = MonitorServer(
+        CollectorRegistry(),
+        lambda: (True, {}),
+        lambda: {},
+        "127.0.0.1",
+        0,
+        on_alerts=received,
+        token=webhook_token(ListenConfig()),
+    )
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+def post(
+    server: MonitorServer, data: bytes = body(), headers: dict[str, str] | None = None
+) -> requests.Response:
+    """POST to the webhook, with the token and as JSON unless ``headers`` say otherwise (an
+    empty value: no such header)."""
+    sent = {
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {TOKEN}",
+        **(headers or {}),
+    }
+    return requests.post(
+        f"{server.url}{ALERTMANAGER_PATH}",
+        data=data,
+        headers={k: v for k, v in sent.items() if v},
+        timeout=10,
+    )
+
+
+def test_the_webhook_takes_alerts_with_the_token(
+    server: MonitorServer, received: Received, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="lossguard")
+    reply = post(server)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {"received": 2, "actionable": 1}  # firing, with an action label
+    assert received.batches == [parse_webhook(body())]
+    utf8 = post(server, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert utf8.status_code == 200 and len(received.batches) == 2
+    refused = post(server, headers={"Authorization": f"Bearer {TOKEN}x"})
+    assert refused.status_code == 403
+    assert TOKEN not in caplog.text, "the token is never logged"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "says"),
+    [
+        ({"Authorization": ""}, 401, "Bearer"),
+        ({"Authorization": "Basic dXNlcjpwdw=="}, 401, "Bearer"),
+        ({"Authorization": "Bearer "}, 401, "Bearer"),
+        ({"Authorization": "Bearer wrong"}, 403, "wrong token"),
+        ({"Authorization": f"Bearer {TOKEN[:-1]}"}, 403, "wrong token"),
+        ({"Content-Type": "text/plain"}, 415, "application/json"),
+        ({"Content-Type": ""}, 415, "application/json"),
+    ],
+)
+def test_auth_and_content_type(
+    server: MonitorServer, received: Received, headers: dict[str, str], status: int, says: str
+) -> None:
+    reply = post(server, headers=headers)
+    assert reply.status_code == status and says in reply.text, reply.text
+    if status == 401:
+        assert reply.headers["WWW-Authenticate"].startswith("Bearer")
+    assert received.batches == []
+
+
+def test_a_bad_payload_is_400_with_the_reason(server: MonitorServer, received: Received) -> None:
+    reply = post(server, body(changed("version", "3")))
+    assert reply.status_code == 400
+    assert reply.text.strip() == (
+        "bad payload: version: expected Alertmanager's webhook payload version '4', got '3'"
+    )
+    missing = post(server, body(changed("alerts.0.startsAt", delete=True)))
+    assert missing.status_code == 400 and "alerts[0].startsAt: missing" in missing.text
+    assert received.batches == []
+
+
+def raw_request(server: MonitorServer, method: str, headers: dict[str, str], data: bytes = b""):
+    """A request exactly as given (no Content-Length added), and its response."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.putrequest(method, ALERTMANAGER_PATH, skip_accept_encoding=True)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.endheaders(data or None)
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
+def test_body_limits(server: MonitorServer, received: Received) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    too_large = post(server, b" " * (MAX_BODY_BYTES + 1))
+    assert too_large.status_code == 413 and str(MAX_BODY_BYTES) in too_large.text
+    # a claimed length beyond the limit is refused before the body is read
+    status, _, text = raw_request(server, "POST", {**auth, "Content-Length": str(10**9)})
+    assert status == 413 and b"payload too large" in text
+    status, _, text = raw_request(server, "POST", auth, body())
+    assert status == 411 and b"Content-Length" in text
+    status, _, _ = raw_request(server, "POST", {**auth, "Content-Length": "-5"})
+    assert status == 400
+    status, _, text = raw_request(server, "POST", {**auth, "Content-Length": "many"})
+    assert status == 400 and b"Content-Length" in text
+    # exactly at the limit is read (and then judged as a payload)
+    padded = body() + b" " * (MAX_BODY_BYTES - len(body()))
+    assert post(server, padded).json() == {"received": 2, "actionable": 1}
+    assert len(received.batches) == 1
+
+
+def test_wrong_method_is_405_with_allow_and_unknown_paths_404(server: MonitorServer) -> None:
+    for method in ("GET", "PUT", "DELETE"):
+        reply = requests.request(method, f"{server.url}{ALERTMANAGER_PATH}", timeout=10)
+        assert reply.status_code == 405, (method, reply.text)
+        assert reply.headers["Allow"] == "POST"
+    metrics = requests.post(f"{server.url}/metrics", data=b"{}", timeout=10)
+    assert metrics.status_code == 405 and metrics.headers["Allow"] == "GET"
+    assert requests.get(f"{server.url}/api/v2/alerts", timeout=10).status_code == 404
+    assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 200
+
+
+def test_without_a_token_a_loopback_webhook_is_open(
+    monkeypatch: pytest.MonkeyPatch, received: Received
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert webhook_token(ListenConfig()) is None
+    served = MonitorServer(
+        CollectorRegistry(), lambda: (True, {}), lambda: {}, "127.0.0.1", 0, on_alerts=received
+    )
+    try:
+        reply = post(served, headers={"Authorization": ""})
+        assert reply.status_code == 200 and reply.json()["received"] == 2
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.3.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("monitor.internal", False),
+    ],
+)
+def test_loopback_hosts(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_a_network_listener_needs_the_token() -> None:
+    listen = ListenConfig(host="0.0.0.0", token_env="LG_TEST_MONITOR_TOKEN")
+    with pytest.raises(ConfigError) as caught:
+        webhook_token(listen, environ={})
+    assert "$LG_TEST_MONITOR_TOKEN is not set" in str(caught.value)
+    assert "listen.host '0.0.0.0' is not a loopback address" in str(caught.value)
+    assert webhook_token(listen, environ={"LG_TEST_MONITOR_TOKEN": "t"}) == "t"
+
+
+def test_the_daemon_refuses_to_listen_on_the_network_without_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    (tmp_path / "r.yml").write_text("groups: []\n")
+    settings = {
+        "rules": {"files": ["r.yml"]},
+        "scrape": {"targets": ["http://127.0.0.1:1/metrics"]},
+        "state": {"path": "state.db"},
+        "listen": {"host": "0.0.0.0", "port": 0},
+    }
+    config = tmp_path / "monitor.yml"
+    config.write_text(yaml.safe_dump(settings))
+    result = monitor_cli("run", "--config", str(config))
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("lossguard-monitor: error: listen.token_env: ")
+    assert f"${TOKEN_ENV} is not set" in line
+
+
+SHIPPED_AM_CONFIG = REPO / "alerts" / "alertmanager.yml"
+
+
+def test_the_shipped_alertmanager_config_sends_action_alerts_to_the_monitor_and_on() -> None:
+    checked = amtool("check-config", str(SHIPPED_AM_CONFIG))
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+    routes = {
+        "alertname=LossNonFinite action=rollback severity=critical": (
+            "lossguard-monitor,pagerduty,slack"
+        ),
+        "alertname=TrainingStalled action=stop severity=warning": "lossguard-monitor,slack",
+        "alertname=LowMFU severity=warning": "slack",
+    }
+    for labels, receivers in routes.items():
+        tested = amtool(
+            "config", "routes", "test", f"--config.file={SHIPPED_AM_CONFIG}", *labels.split()
+        )
+        assert tested.stdout.strip() == receivers, (labels, tested.stdout, tested.stderr)
+    config = yaml.safe_load(SHIPPED_AM_CONFIG.read_text())
+    (action_route,) = [r for r in config["route"]["routes"] if r["receiver"] == "lossguard-monitor"]
+    assert action_route["continue"] is True and action_route["group_wait"] == "0s"
+    assert action_route["group_by"] == ["alertname", "run_id", "rank"]
+    (receiver,) = [r for r in config["receivers"] if r["name"] == "lossguard-monitor"]
+    (webhook,) = receiver["webhook_configs"]
+    assert webhook["url"].endswith(ALERTMANAGER_PATH) and webhook["send_resolved"] is True
+    assert "credentials_file" in webhook["http_config"]["authorization"]
