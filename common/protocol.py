@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -49,10 +50,12 @@ class ProtocolError(Exception):
 
 
 Target = int | Literal["last_good", "best", "latest"]
+CHECKPOINT_NAME_RE = re.compile(r"^step_([0-9]{8})$")
 
 
 def parse_target(value: Any) -> Target:
-    """A checkpoint target: last_good, best, latest, or a step number; never a path."""
+    """A checkpoint target: last_good, best, latest, a step number or a checkpoint's name
+    (``step_00000150``, which means step 150); never a path."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
@@ -60,8 +63,11 @@ def parse_target(value: Any) -> Target:
             return value  # type: ignore[return-value]
         if value.isdigit():
             return int(value)
+        if named := CHECKPOINT_NAME_RE.fullmatch(value):
+            return int(named.group(1))
     raise ValueError(
-        f"must be one of {', '.join(NAMED_TARGETS)} or a step number (never a path), not {value!r}"
+        f"must be one of {', '.join(NAMED_TARGETS)}, a step number or a checkpoint name "
+        f"(step_00000150), never a path, not {value!r}"
     )
 
 

@@ -6,6 +6,7 @@ Torch-free, so that checkpoints can be listed without torch.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import reprlib
 from collections.abc import Callable
@@ -19,6 +20,8 @@ META_FILE = "meta.json"
 MAX_STEP = 10**8 - 1
 NAME_RE = re.compile(r"^step_[0-9]{8}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+log = logging.getLogger("lossguard.agent.checkpoint")
 
 
 def checkpoint_name(step: int) -> str:
@@ -147,6 +150,23 @@ def read_meta(folder: Path) -> CheckpointMeta:
     if meta.name != folder.name:
         raise CheckpointError(f"checkpoint {folder.name}: {META_FILE} names {meta.name}")
     return meta
+
+
+def list_checkpoints(root: Path) -> list[CheckpointMeta]:
+    """The visible checkpoints under ``root`` (a run's ``checkpoints/``) in creation order,
+    read without torch; unreadable ones are skipped with a warning, a missing ``root`` is none."""
+    if not root.is_dir():
+        return []
+    metas = []
+    for entry in root.iterdir():
+        if not NAME_RE.fullmatch(entry.name) or not entry.is_dir():
+            continue
+        try:
+            metas.append(read_meta(entry))
+        except CheckpointError as exc:
+            if entry.is_dir():  # not deleted or replaced meanwhile
+                log.warning("%s; ignoring it", exc)
+    return sorted(metas, key=lambda m: m.seq)
 
 
 def meta_fields(

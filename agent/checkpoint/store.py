@@ -35,9 +35,9 @@ from lossguard.agent.checkpoint.meta import (
     STATE_FILE,
     CheckpointError,
     CheckpointMeta,
+    list_checkpoints,
     meta_fields,
     one_line,
-    read_meta,
 )
 from lossguard.agent.checkpoint.targets import NAMED_TARGETS, SUPERSEDED, is_superseded, ordered
 from lossguard.agent.rundir import package_versions
@@ -148,16 +148,7 @@ class CheckpointStore:
 
     def list(self) -> builtins.list[CheckpointMeta]:
         """Visible checkpoints in creation order; unreadable ones are skipped with a warning."""
-        metas = []
-        for entry in self.root.iterdir():
-            if not NAME_RE.fullmatch(entry.name) or not entry.is_dir():
-                continue
-            try:
-                metas.append(read_meta(entry))
-            except CheckpointError as exc:
-                if entry.is_dir():  # not deleted or replaced meanwhile
-                    log.warning("%s; ignoring it", exc)
-        return sorted(metas, key=lambda m: m.seq)
+        return list_checkpoints(self.root)
 
     def resolve(self, target: str | int) -> builtins.list[CheckpointMeta]:
         """Candidates for ``target`` (latest, best, last_good or a step), most preferred first."""
