@@ -1,6 +1,7 @@
 """lossguard training agent: runs or instruments a PyTorch training loop and exposes what it sees.
 
-Importing this package does not import torch; ``Guard`` and the trainer load it when used.
+Importing this package does not import torch; ``Guard``, ``SkippableDataLoader`` and the
+trainer load it when used.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 from lossguard.common import __version__
 
 if TYPE_CHECKING:
+    from lossguard.agent.data import SkippableDataLoader
     from lossguard.agent.guard import Guard
 
-__all__ = ["Guard", "__version__"]
+__all__ = ["Guard", "SkippableDataLoader", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from lossguard.agent.guard import Guard
 
         return Guard
+    if name == "SkippableDataLoader":
+        from lossguard.agent.data import SkippableDataLoader
+
+        return SkippableDataLoader
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

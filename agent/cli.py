@@ -17,6 +17,7 @@ from lossguard.common.cli import (
 )
 from lossguard.common.config import ConfigError
 from lossguard.common.protocol import Target, parse_target
+from lossguard.common.supervisor_file import RESUME_ENV
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--resume",
         metavar="TARGET",
-        help="continue run.id from a checkpoint: latest, best, last_good or a step number",
+        help="continue run.id from a checkpoint: latest, best, last_good, a step number or a "
+        f"checkpoint name (step_00000150); ${RESUME_ENV}, when set, wins",
     )
     run.add_argument(
         "--skip-batches",
@@ -45,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="with --resume: pass over the next N batches (e.g. ones that made the loss spike)",
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start run.id over although it has checkpoints (the old run is moved aside)",
     )
 
     bench = sub.add_parser("bench", help="measure tokens/s and step time")
@@ -88,6 +95,8 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
         if args.skip_batches:
             raise ConfigError("--skip-batches: only with --resume")
         return None
+    if args.overwrite:
+        raise ConfigError("--overwrite: not with --resume")
     try:
         return parse_target(args.resume)
     except ValueError as exc:
@@ -95,14 +104,25 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 
 
 def _run(args: argparse.Namespace, cfg: Config) -> int:
+    from lossguard.agent.guard import CheckpointsExist
     from lossguard.agent.recovery import RestoreError
     from lossguard.agent.train.trainer import Trainer
 
     resume = _resume_target(args)
     try:
         trainer = Trainer(
-            cfg, progress=not args.no_progress, resume=resume, skip_batches=args.skip_batches
+            cfg,
+            progress=not args.no_progress,
+            resume=resume,
+            skip_batches=args.skip_batches,
+            overwrite=args.overwrite,
         )
+    except CheckpointsExist as exc:
+        raise ConfigError(
+            f"run.id: run directory {exc.run_dir} already has checkpoints (newest: "
+            f"{exc.newest}): use --resume latest (or a checkpoint name) to continue the run, or "
+            "--overwrite to start over"
+        ) from None
     except RestoreError as exc:
         print(f"lossguard-agent: error: cannot resume: {exc}", file=sys.stderr)
         return EXIT_FAILED

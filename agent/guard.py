@@ -1,9 +1,10 @@
 """Guard: the one instrumentation API, used alike by the built-in trainer and by user loops.
 
-    guard = Guard(run_dir, model=model, optimizer=opt, scheduler=sched, data=sampler, config=cfg)
+    guard = Guard(run_dir, model=model, optimizer=opt, scheduler=sched, data=loader, config=cfg,
+                  max_steps=10_000, grad_clip=1.0, resume=None)
     for batch in ...:
         loss = ...; loss.backward()
-        guard.after_backward(loss, tokens=n)   # grad norm (and clipping), on device
+        guard.after_backward(loss, tokens=n)   # grad norm (and clipping if asked), on device
         opt.step(); sched.step()
         guard.end_step()                       # counters; every log interval: one host sync
         guard.poll()                           # control commands, applied at this boundary
@@ -18,23 +19,29 @@ commands are applied by ``control.commands``; records go to the sinks in ``telem
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, CheckpointMeta
+from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
-from lossguard.agent.control.commands import CommandRunner, answered_before
-from lossguard.agent.control.server import ControlServer, serve_control
-from lossguard.agent.distributed import control_group, rank_and_world
+from lossguard.agent.control.commands import CommandRunner
+from lossguard.agent.control.server import (
+    ControlServer,
+    answered_before,
+    serve_control,
+    socket_is_live,
+)
+from lossguard.agent.distributed import broadcast_objects, control_group, rank_and_world
 from lossguard.agent.recovery import (
     DETECTOR_STATE,
     PROGRESS_STATE,
@@ -43,7 +50,7 @@ from lossguard.agent.recovery import (
     Stateful,
     TrainProgress,
 )
-from lossguard.agent.rundir import RunDirectory, package_versions
+from lossguard.agent.rundir import RunDirectory, package_versions, set_aside
 from lossguard.agent.stop_signals import StopSignals
 from lossguard.agent.telemetry.collector import (
     SignalStats,
@@ -56,11 +63,69 @@ from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
-from lossguard.common.protocol import ErrorCode, SkipBatches, Target
+from lossguard.common.protocol import SOCKET_NAME, ErrorCode, SkipBatches, Target, parse_target
+from lossguard.common.supervisor_file import RESUME_ENV
+
+log = logging.getLogger("lossguard.agent")
+T = TypeVar("T")
+
+RESUME_ARGUMENT = "argument"
+"""A resume's ``source`` when it came from the caller (``resume=``, ``--resume``)."""
+
+
+def resume_target(resume: Target | str | None) -> tuple[Target | None, str | None]:
+    """The checkpoint to resume from and where that came from: ``$LOSSGUARD_RESUME`` when set
+    and not empty (a supervisor's restart, which knows the good checkpoint), else ``resume``
+    (``RESUME_ARGUMENT``); (None, None) to start afresh. ValueError names a bad one."""
+    from_env = os.environ.get(RESUME_ENV, "")
+    value, source = (from_env, RESUME_ENV) if from_env else (resume, RESUME_ARGUMENT)
+    if value is None:
+        return None, None
+    try:
+        return parse_target(value), source
+    except ValueError as exc:
+        name = RESUME_ENV if source == RESUME_ENV else "resume"
+        raise ValueError(f"{name}: {exc}") from None
+
+
+class CheckpointsExist(FileExistsError):
+    """A run directory that already has checkpoints, and neither a resume nor an overwrite."""
+
+    def __init__(self, run_dir: Path, newest: str) -> None:
+        super().__init__(
+            f"{run_dir} already has checkpoints (newest: {newest}): pass resume='latest' "
+            "(or a checkpoint name) to continue the run, or overwrite=True to start over"
+        )
+        self.run_dir = run_dir
+        self.newest = newest
+
+    def __reduce__(self) -> tuple[Any, ...]:  # broadcast to every rank under torchrun
+        return type(self), (self.run_dir, self.newest)
 
 
 class Guard:
-    """Accounting, gradient norm, metrics, checkpoints and control for a training loop."""
+    """Accounting, gradient norm, metrics, checkpoints and control for a training loop.
+
+    ``config`` supplies the ``checkpoint``, ``control``, ``telemetry`` and ``wandb`` sections
+    and ``train.log_every``; what the loop itself does is the caller's: ``max_steps`` (the
+    planned last step: status, progress, the step target; None: open-ended) and ``grad_clip``
+    (clip the gradient norm to it in ``after_backward``; None: measure it, never clip).
+
+    Starting: a run directory without checkpoints is started in (a run that crashed before
+    its first checkpoint starts again). One with checkpoints is refused (``CheckpointsExist``)
+    unless ``resume`` or ``overwrite`` says what to do:
+
+    - ``resume``: a target (``latest``, ``last_good``, ``best``, a step, a checkpoint name such
+      as ``step_00000150``) restored here, on every rank, before the first step; then
+      ``skip_batches`` batches are passed over. ``$LOSSGUARD_RESUME``, set by the supervisor for
+      a restart, wins over ``resume``, ``skip_batches`` and ``overwrite``. A ``resumed`` event
+      records the target, where it came from and what was restored; a target that cannot be
+      restored raises RestoreError (the Guard is then closed).
+    - ``overwrite=True``: start over from step 0. The previous run's checkpoints, metrics and
+      events, config and environment records are moved, not deleted, into
+      ``run_dir/overwritten-<time>/`` (an ``overwritten`` event says where); refused while
+      another agent serves the run directory's control socket.
+    """
 
     def __init__(
         self,
@@ -73,14 +138,31 @@ class Guard:
         scaler: torch.amp.GradScaler | None = None,
         ema: Stateful | None = None,
         config: Config | None = None,
+        max_steps: int | None = None,
+        grad_clip: float | None = None,
+        resume: Target | str | None = None,
+        skip_batches: int = 0,
+        overwrite: bool = False,
         progress: bool = True,
         flops_per_token: float | None = None,
     ) -> None:
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"max_steps: must be >= 1 or None, not {max_steps}")
+        if grad_clip is not None and not (math.isfinite(grad_clip) and grad_clip > 0):
+            raise ValueError(f"grad_clip: must be a number > 0 or None, not {grad_clip}")
+        target, source = resume_target(resume)
+        if source == RESUME_ENV:
+            skip_batches, overwrite = 0, False  # the supervisor's restart: its checkpoint as is
+        if target is not None and overwrite:
+            raise ValueError("resume and overwrite=True exclude each other")
+        if skip_batches < 0 or (skip_batches and target is None):
+            raise ValueError(
+                f"skip_batches: must be >= 0, and only with resume, not {skip_batches}"
+            )
         self.config = config if config is not None else Config()
-        train = self.config.train
-        self.max_steps = train.max_steps
-        self.log_every = train.log_every
-        self.grad_clip = train.grad_clip
+        self.max_steps = max_steps
+        self.log_every = self.config.train.log_every
+        self.grad_clip = grad_clip
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -119,6 +201,9 @@ class Guard:
         self.control: ControlServer | None = None
         self.sinks: list[Sink] = []
         self._group = control_group()
+        moved = self._on_main(
+            lambda: self._start_over_check(resuming=target is not None, overwrite=overwrite)
+        )
         self.telemetry: Telemetry | None = None
         self._can_skip = skips_on_device(optimizer, scaler)
         if self.config.telemetry.enabled:
@@ -129,6 +214,7 @@ class Guard:
                 rank=self.rank,
                 world_size=self.world_size,
                 run_id=self.run_id,
+                max_steps=max_steps,
                 flops_per_token=flops_per_token or 6.0 * sum(p.numel() for p in self._params),
                 group=self._group,
                 loss_scaling=scaler is not None,
@@ -168,7 +254,70 @@ class Guard:
                 control_socket=str(self.control.socket_path) if self.control else None,
                 control_tcp=self.control.tcp_address if self.control else None,
             )
+        if moved is not None:
+            self.event("overwritten", moved_to=str(moved[0]), checkpoints=moved[1])
         self.signals.install()
+        if target is not None:
+            self._resume(target, skip_batches, str(source))
+
+    def _on_main(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on rank 0; every rank returns its result or raises its exception."""
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                outcome = [(work(), None)]
+            except Exception as exc:
+                outcome = [(None, exc)]
+        result, error = broadcast_objects(outcome, self._group)[0]
+        if error is not None:
+            raise error
+        return result
+
+    def _start_over_check(
+        self, *, resuming: bool, overwrite: bool
+    ) -> tuple[Path, list[str]] | None:
+        """Before anything is written: refuse to start afresh over checkpoints, or move the
+        previous run aside (``overwrite``); returns where to and which checkpoints."""
+        existing = list_checkpoints(self.path / CHECKPOINT_DIR)
+        if resuming or not existing:
+            return None
+        if not overwrite:
+            raise CheckpointsExist(self.path, existing[-1].name)
+        if socket_is_live(self.path / SOCKET_NAME):
+            raise FileExistsError(
+                f"{self.path} is still running (its control socket answers): not overwriting it"
+            )
+        aside = set_aside(self.path)
+        assert aside is not None  # there were checkpoints to move
+        names = [meta.name for meta in existing]
+        log.warning(
+            "overwrite: moved the previous run in %s (%d checkpoints, newest %s) to %s",
+            self.path,
+            len(names),
+            names[-1],
+            aside,
+        )
+        return aside, names
+
+    def _resume(self, target: Target, skip_batches: int, source: str) -> None:
+        """Restore ``target`` before the first step; audited and logged with its source. A
+        failure closes the Guard and raises."""
+        try:
+            restored = self.restore(target, skip_batches=skip_batches)
+        except BaseException:
+            self.close(failed=True)
+            raise
+        self.event(
+            "resumed", target=target, source=source, skipped_batches=skip_batches, **restored
+        )
+        if self.rank == 0:
+            log.info(
+                "resumed from %s at step %d (target %s from %s)",
+                restored["checkpoint"],
+                restored["step"],
+                target,
+                "$" + RESUME_ENV if source == RESUME_ENV else "the resume argument",
+            )
 
     def _open_run_directory(self, progress: bool) -> None:
         """Rank 0: the run directory, the control server, the sinks and ``agent.json``."""
@@ -252,14 +401,19 @@ class Guard:
                 self.telemetry.exclude(spent)
 
     def register(self, name: str, obj: Stateful) -> None:
-        """Add state that checkpoints save and rollbacks restore (anything with state_dict)."""
+        """Add state that checkpoints save and rollbacks restore (anything with state_dict).
+        Registered after a restore (a ``resume``) and before the next step, it gets the state
+        the checkpoint holds under ``name``."""
         if name in self.state:
             raise ValueError(f"state {name!r} is already registered")
         self.state[name] = obj
+        saved = self.recovery.unclaimed.pop(name, None)
+        if saved is not None:
+            obj.load_state_dict(saved)
 
     def after_backward(self, loss: torch.Tensor, *, tokens: int) -> torch.Tensor:
-        """Record the step's loss and tokens; compute (and clip to ``train.grad_clip``) the
-        gradient norm. Returns the pre-clip norm as a device tensor; nothing is synced."""
+        """Record the step's loss and tokens; compute the gradient norm and clip to
+        ``grad_clip`` if given. Returns the pre-clip norm as a device tensor; nothing is synced."""
         if self.scaler is not None and self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
         if self.telemetry is not None:  # sampled steps only: FP8 health, gradient diagnostics
@@ -286,6 +440,7 @@ class Guard:
     def end_step(self) -> None:
         """Close the optimizer step; at each log interval, sync once and write the metrics."""
         self.progress.step += 1
+        self.recovery.unclaimed.clear()  # the restored state was for the step before this one
         self.interval.step_done()
         if self.telemetry is not None:
             self.telemetry.step_done(self.step)
@@ -496,10 +651,26 @@ class Guard:
         the diagnosis of the latest spike or non-finite value of the abandoned steps, or None."""
         self._catch_up()
         result = self.recovery.rollback(
-            target, skip_batches=skip_batches, lr_scale=lr_scale, episode=self.episode
+            target,
+            skip_batches=skip_batches,
+            lr_scale=lr_scale,
+            episode=self.episode,
+            trouble_since=self._episode_start(),
         )
         self._interval_restarts()
         return result
+
+    def _episode_start(self) -> int | None:
+        """The first step of the earliest spike episode still open on this rank (None: none
+        is). One host read, at a rollback only."""
+        if self.telemetry is None:
+            return None
+        starts = [
+            self.step - int(s["duration"]) + 1
+            for s in signal_stats(self.telemetry.stats().tolist()).values()
+            if s["active"]
+        ]
+        return min(starts, default=None)
 
     def _catch_up(self) -> None:
         """Before a rollback: audit what the detectors saw since the last log interval (one

@@ -158,6 +158,8 @@ class Recovery:
         self.event = event
         self.last_saved_step: int | None = None
         self.state_mixed = False  # a restore failed halfway: this state must never be saved
+        self.unclaimed: dict[str, Any] = {}
+        """State in the last restored checkpoint under names not registered (yet)."""
 
     def payload(self) -> tuple[dict[str, Any], bool]:
         """Everything a bit-exact resume needs, and whether every rank is healthy now.
@@ -241,8 +243,11 @@ class Recovery:
         would be a mix: training must stop)."""
         return self._restore(target, skip_batches)[0]
 
-    def _restore(self, target: Target, skip_batches: SkipBatches) -> tuple[CheckpointMeta, int]:
-        """``restore``; also returns how many batches were skipped."""
+    def _restore(
+        self, target: Target, skip_batches: SkipBatches, before_step: int | None = None
+    ) -> tuple[CheckpointMeta, int]:
+        """``restore`` (preferring checkpoints before ``before_step``); also returns how many
+        batches were skipped."""
         data = self.state.get("data")
         if skip_batches and (data is None or not hasattr(data, "skip")):
             raise RestoreError(
@@ -259,7 +264,7 @@ class Recovery:
         if self.store is not None:
             self.store.wait()
             try:
-                meta, payload = self.store.load(target)
+                meta, payload = self.store.load(target, before_step)
                 loaded = [{"meta": meta, "payload": payload}]
             except Exception as exc:
                 loaded = [f"{exc}"]
@@ -283,6 +288,7 @@ class Recovery:
                 f"{meta.name} failed halfway ({why}); training stops to protect the run"
             ) from failure
         self.last_saved_step = self.progress.step
+        self.unclaimed = {n: v for n, v in payload["state"].items() if n not in self.state}
         self.on_restored(meta)
         skip = (
             skip_batches
@@ -306,15 +312,21 @@ class Recovery:
         skip_batches: SkipBatches,
         lr_scale: float,
         episode: dict[str, Any] | None = None,
+        trouble_since: int | None = None,
     ) -> dict[str, Any]:
         """Restore ``target``, pass over ``skip_batches`` batches (``"abandoned"``: those the
         abandoned steps trained on) and multiply the learning-rate scale by ``lr_scale``;
         audited, and what the ``rollback`` command answers. ``episode``: the diagnosis of the
         latest spike or non-finite value, answered as ``abandoned`` when it lies in the
-        abandoned steps. Under torchrun the answer carries every rank's step and weights
-        digest."""
+        abandoned steps. ``trouble_since``: the step where the unrecovered spike episode being
+        abandoned began; a named target then prefers checkpoints from before the step ahead of
+        it, since the update of that step may be what made the loss spike. Under torchrun the
+        answer carries every rank's step and weights digest."""
         from_step = self.progress.step
-        meta, skipped = self._restore(target, skip_batches)
+        before = (
+            trouble_since - 1 if trouble_since is not None and isinstance(target, str) else None
+        )
+        meta, skipped = self._restore(target, skip_batches, before)
         self.set_lr_scale(self.progress.lr_scale * lr_scale)
         to_step = self.progress.step
         abandoned = episode if episode is not None and episode["step"] > to_step else None

@@ -3,6 +3,7 @@ the audit trail."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -18,10 +19,14 @@ from typing import IO, Any
 
 import yaml
 
+from lossguard.agent.checkpoint.files import fsync_dir
+from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR
 from lossguard.common import __version__
 from lossguard.common.agent_file import AGENT_FILE, AgentInfo, RunExit
 
 RECORDED_PACKAGES = ("torch", "torchao", "numpy", "pydantic", "prometheus-client", "nvidia-ml-py")
+RUN_RECORDS = (CHECKPOINT_DIR, "metrics.jsonl", "events.jsonl", "config.yaml", "env.json")
+"""What a run leaves in its directory, beside ``agent.json`` (rewritten by the next run)."""
 
 
 def git_commit(cwd: Path | None = None) -> str | None:
@@ -58,6 +63,27 @@ def write_atomically(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def set_aside(path: Path) -> Path | None:
+    """Move the previous run's records (``RUN_RECORDS``) out of the run directory ``path`` into
+    a new ``path/overwritten-<local time>/`` and return that folder; None when there was nothing
+    to move. Nothing is deleted."""
+    present = [path / name for name in RUN_RECORDS if (path / name).exists()]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = path / f"overwritten-{stamp}"
+    for n in itertools.count(2):
+        try:
+            aside.mkdir()
+            break
+        except FileExistsError:
+            aside = path / f"overwritten-{stamp}-{n}"
+    for record in present:
+        os.rename(record, aside / record.name)
+    fsync_dir(path)
+    return aside
 
 
 class JsonlLog:

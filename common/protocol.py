@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -99,25 +100,25 @@ def _json_number(value: Any) -> float:
 JsonNumber = Annotated[float, BeforeValidator(_json_number)]
 
 
-class _Args(BaseModel):
+class CommandArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class NoArgs(_Args):
+class NoArgs(CommandArgs):
     pass
 
 
-class RollbackArgs(_Args):
+class RollbackArgs(CommandArgs):
     target: Annotated[Target, BeforeValidator(parse_target)] = "last_good"
     skip_batches: Annotated[SkipBatches, BeforeValidator(parse_skip_batches)] = 0
     lr_scale: JsonNumber = Field(default=1.0, gt=0)
 
 
-class SetLrScaleArgs(_Args):
+class SetLrScaleArgs(CommandArgs):
     scale: JsonNumber = Field(gt=0)
 
 
-COMMAND_ARGS: dict[str, type[_Args]] = {
+COMMAND_ARGS: dict[str, type[CommandArgs]] = {
     "status": NoArgs,
     "checkpoints": NoArgs,
     "save": NoArgs,
@@ -128,6 +129,16 @@ COMMAND_ARGS: dict[str, type[_Args]] = {
     "stop": NoArgs,
 }
 COMMANDS = tuple(COMMAND_ARGS)
+
+
+class RestartArgs(CommandArgs):
+    reason: str = Field(default="requested", min_length=1, max_length=200)
+
+
+SUPERVISOR_COMMAND_ARGS: dict[str, type[CommandArgs]] = {"status": NoArgs, "restart": RestartArgs}
+"""The supervisor's socket (``supervisor.sock``) speaks the same protocol with these commands:
+``restart`` ends the training command's process group and starts it again from its newest
+healthy checkpoint (the monitor's ``restart`` action, for a hung run)."""
 
 
 @dataclass(frozen=True)
@@ -147,13 +158,19 @@ def _request_id(raw: Any) -> str:
     return text
 
 
-def validate_args(cmd: str, args: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
-    """Check a command's arguments; returns them normalised (defaults filled in)."""
-    schema = COMMAND_ARGS.get(cmd)
+def validate_args(
+    cmd: str,
+    args: dict[str, Any],
+    request_id: str | None = None,
+    commands: Mapping[str, type[CommandArgs]] = COMMAND_ARGS,
+) -> dict[str, Any]:
+    """Check a command's arguments against ``commands`` (the agent's by default); returns them
+    normalised (defaults filled in)."""
+    schema = commands.get(cmd)
     if schema is None:
         raise ProtocolError(
             ErrorCode.UNKNOWN_COMMAND,
-            f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}",
+            f"unknown command {cmd!r}; commands: {', '.join(commands)}",
             request_id,
         )
     try:
@@ -164,8 +181,8 @@ def validate_args(cmd: str, args: dict[str, Any], request_id: str | None = None)
         ) from None
 
 
-def parse_request(line: bytes) -> Request:
-    """Decode and validate one request line (without its newline)."""
+def parse_request(line: bytes, commands: Mapping[str, type[CommandArgs]] = COMMAND_ARGS) -> Request:
+    """Decode and validate one request line (without its newline) against ``commands``."""
     if len(line) > MAX_LINE_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"request exceeds {MAX_LINE_BYTES} bytes")
     try:
@@ -193,7 +210,7 @@ def parse_request(line: bytes) -> Request:
     token = message.get("token")
     if token is not None and not isinstance(token, str):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "token: must be a string", request_id)
-    return Request(request_id, cmd, validate_args(cmd, args, request_id), token)
+    return Request(request_id, cmd, validate_args(cmd, args, request_id, commands), token)
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -1,22 +1,30 @@
 """The monitor's HTTP server (standard library ``http.server``, one daemon thread): ``/metrics``,
-``/healthz``, ``/api/status`` and Alertmanager's webhook ``POST /api/v1/alertmanager``. Each
-endpoint is one entry of the route table that :func:`monitor_routes` builds: ``(method, path)``
--> a function from :class:`Request` to :class:`Response`."""
+``/healthz``, ``/api/status``, Alertmanager's webhook ``POST /api/v1/alertmanager`` and the
+read API of :mod:`lossguard.monitor.http_api`. Each endpoint is one entry of a route table:
+``(method, path)`` -> a function from :class:`Request` to :class:`Response`; a path may hold
+``{name}`` segments, handed to the route as ``Request.params``.
+
+Under ``/api/`` errors are JSON, shaped as Prometheus's HTTP API shapes them:
+``{"status": "error", "errorType": ..., "error": "one line"}``; answers are
+``{"status": "success", "data": ...}`` (:func:`api_data`)."""
 
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
+from urllib.parse import parse_qs, unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from lossguard.common.config import ConfigError
+from lossguard.common.protocol import encode
 from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_webhook
 from lossguard.monitor.actions.policy import ACTION_LABEL
 
@@ -31,6 +39,21 @@ MAX_BODY_BYTES = 1 << 20  # a webhook of a few hundred alerts; Alertmanager's ma
 _DRAIN_LIMIT = 16 << 20  # read (and drop) a too large body up to this, so the client hears 413
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+API_PREFIX = "/api/"
+ERROR_TYPES = {
+    400: "bad_data",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    411: "bad_data",
+    413: "bad_data",
+    415: "bad_data",
+    422: "execution",
+    500: "internal",
+    503: "unavailable",
+}
+"""The ``errorType`` of each status of an API error (Prometheus's names where it has one)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,9 @@ class Request:
     path: str  # without the query string
     headers: Mapping[str, str] = field(default_factory=dict)  # names in lower case
     body: bytes = b""
+    query: Mapping[str, list[str]] = field(default_factory=dict)  # decoded, blanks kept
+    params: Mapping[str, str] = field(default_factory=dict)  # the path's {name} segments
+    client: str = ""  # the peer's address
 
 
 @dataclass(frozen=True)
@@ -61,7 +87,53 @@ class Response:
 
 Route = Callable[[Request], Response]
 Routes = Mapping[tuple[str, str], Route]
-NOT_FOUND = Response.text("not found: try /metrics or /healthz", 404)
+
+
+def api_data(data: object) -> Response:
+    """A successful API answer; non-finite numbers become null (JSON has none)."""
+    return Response(200, "application/json", encode({"status": "success", "data": data}))
+
+
+def api_error(
+    status: int,
+    message: str,
+    *,
+    error_type: str | None = None,
+    data: object = None,
+    headers: tuple[tuple[str, str], ...] = (),
+) -> Response:
+    """An API error: ``errorType`` from the status unless given, ``error`` one line."""
+    payload: dict[str, object] = {
+        "status": "error",
+        "errorType": error_type or ERROR_TYPES.get(status, "internal"),
+        "error": message,
+    }
+    if data is not None:
+        payload["data"] = data
+    return Response(status, "application/json", encode(payload), headers)
+
+
+def error_for(
+    path: str, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()
+) -> Response:
+    """An error in the form the path's clients read: JSON under ``/api/``, else text."""
+    if path.startswith(API_PREFIX):
+        return api_error(status, message, headers=headers)
+    return Response.text(message, status, headers)
+
+
+def bearer_refusal(
+    headers: Mapping[str, str], expected: str
+) -> tuple[int, str, tuple[tuple[str, str], ...]] | None:
+    """Why a request without ``Authorization: Bearer <expected>`` is refused: ``(status,
+    message, headers)``, 401 without a bearer token and 403 with a wrong one; None: it has it."""
+    scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        challenge = (("WWW-Authenticate", 'Bearer realm="lossguard-monitor"'),)
+        return 401, "unauthorized: send Authorization: Bearer <token>", challenge
+    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        return 403, "forbidden: wrong token", ()
+    return None
 
 
 def monitor_routes(
@@ -71,10 +143,11 @@ def monitor_routes(
     *,
     on_alerts: OnAlerts | None = None,
     token: str | None = None,
+    extra: Routes | None = None,
 ) -> Routes:
-    """The monitor's endpoints; ``status`` is what ``lossguard-monitor status`` shows of the
-    running daemon. With ``on_alerts``, ``POST /api/v1/alertmanager`` takes Alertmanager's
-    webhook (payload v4) and hands its alerts to it; with ``token``, only with
+    """The monitor's endpoints, and ``extra``; ``status`` is what ``lossguard-monitor status``
+    shows of the running daemon. With ``on_alerts``, ``POST /api/v1/alertmanager`` takes
+    Alertmanager's webhook (payload v4) and hands its alerts to it; with ``token``, only with
     ``Authorization: Bearer <token>``."""
 
     def metrics(request: Request) -> Response:
@@ -94,6 +167,7 @@ def monitor_routes(
     }
     if on_alerts is not None:
         routes[("POST", ALERTMANAGER_PATH)] = alertmanager_route(on_alerts, token)
+    routes.update(extra or {})
     return routes
 
 
@@ -101,20 +175,14 @@ def alertmanager_route(on_alerts: OnAlerts, token: str | None) -> Route:
     """``POST /api/v1/alertmanager``: 401/403 without the right bearer token (when one is
     set), 415 unless JSON, 400 naming what is wrong with the payload, else 200 with
     ``{"received": alerts, "actionable": firing alerts with an action label}``."""
-    expected = None if token is None else token.encode()
 
     def alertmanager(request: Request) -> Response:
-        if expected is not None:
-            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-            if scheme.lower() != "bearer" or not given.strip():
-                return Response.text(
-                    "unauthorized: send Authorization: Bearer <token>",
-                    401,
-                    (("WWW-Authenticate", 'Bearer realm="lossguard-monitor"'),),
-                )
-            if not hmac.compare_digest(given.strip().encode(), expected):
+        refusal = None if token is None else bearer_refusal(request.headers, token)
+        if refusal is not None:
+            status, message, headers = refusal
+            if status == 403:
                 log.warning("alertmanager webhook: a request with a wrong token was refused")
-                return Response.text("forbidden: wrong token", 403)
+            return Response.text(message, status, headers)
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
             return Response.text(
@@ -156,9 +224,10 @@ class MonitorServer:
         *,
         on_alerts: OnAlerts | None = None,
         token: str | None = None,
+        extra: Routes | None = None,
     ) -> None:
         handler = _handler(
-            monitor_routes(registry, health, status, on_alerts=on_alerts, token=token)
+            monitor_routes(registry, health, status, on_alerts=on_alerts, token=token, extra=extra)
         )
         try:
             self._server = ThreadingHTTPServer((host, port), handler)
@@ -183,60 +252,90 @@ class MonitorServer:
         self._server.server_close()
 
 
+@dataclass(frozen=True)
+class _Pattern:
+    """A route's path as a regular expression: ``{name}`` matches one non-empty segment."""
+
+    method: str
+    regex: re.Pattern[str]
+    route: Route
+
+    @classmethod
+    def of(cls, method: str, template: str, route: Route) -> _Pattern:
+        parts = re.split(r"\{(\w+)\}", template)  # literal, name, literal, ...
+        regex = "".join(
+            f"(?P<{part}>[^/]+)" if i % 2 else re.escape(part) for i, part in enumerate(parts)
+        )
+        return cls(method, re.compile(regex), route)
+
+
 class _RouteHandler(BaseHTTPRequestHandler):
-    routes: ClassVar[Routes] = {}
+    patterns: ClassVar[tuple[_Pattern, ...]] = ()
     timeout = 30  # seconds a client may take to send its request
     _unread = 0  # bytes of a refused body still to drain
 
     def dispatch(self) -> None:
-        path = self.path.partition("?")[0]
-        route = self.routes.get((self.command, path))
-        if route is None:
-            allowed = sorted(method for method, known in self.routes if known == path)
+        path, _, query = self.path.partition("?")
+        found = [(p, m) for p in self.patterns if (m := p.regex.fullmatch(path))]
+        chosen = next(((p, m) for p, m in found if p.method == self.command), None)
+        if chosen is None:
+            allowed = sorted({p.method for p, _ in found})
             if not allowed:
-                self._reply(NOT_FOUND)
+                self._reply(
+                    error_for(path, 404, f"not found: {path}; try /metrics, /healthz, /api/v1/runs")
+                )
             else:
                 self._reply(
-                    Response.text(
-                        f"method {self.command} not allowed on {path}: use {', '.join(allowed)}",
+                    error_for(
+                        path,
                         405,
+                        f"method {self.command} not allowed on {path}: use {', '.join(allowed)}",
                         (("Allow", ", ".join(allowed)),),
                     )
                 )
             return
         body = b""
         if self.command in _BODY_METHODS:
-            read = self._read_body()
+            read = self._read_body(path)
             if isinstance(read, Response):
                 self._reply(read)
                 self._drain()
                 return
             body = read
-        headers = {name.lower(): value for name, value in self.headers.items()}
-        self._reply(route(Request(self.command, path, headers, body)))
+        pattern, match = chosen
+        request = Request(
+            self.command,
+            path,
+            {name.lower(): value for name, value in self.headers.items()},
+            body,
+            parse_qs(query, keep_blank_values=True),
+            {name: unquote(value) for name, value in match.groupdict().items()},
+            str(self.client_address[0]),
+        )
+        self._reply(pattern.route(request))
 
-    def _read_body(self) -> bytes | Response:
+    def _read_body(self, path: str) -> bytes | Response:
         """The request body, or why not: 411 without a length, 413 beyond MAX_BODY_BYTES."""
         length_header = self.headers.get("Content-Length")
         if length_header is None:
             self.close_connection = True
-            return Response.text("length required: send Content-Length", 411)
+            return error_for(path, 411, "length required: send Content-Length")
         try:
             length = int(length_header)
             if length < 0:
                 raise ValueError
         except ValueError:
             self.close_connection = True
-            return Response.text(f"bad Content-Length {length_header!r}", 400)
+            return error_for(path, 400, f"bad Content-Length {length_header!r}")
         if length > MAX_BODY_BYTES:
             self._unread = length
-            return Response.text(
-                f"payload too large: {length} bytes, at most {MAX_BODY_BYTES}", 413
+            return error_for(
+                path, 413, f"payload too large: {length} bytes, at most {MAX_BODY_BYTES}"
             )
         body = self.rfile.read(length)
         if len(body) < length:
             self.close_connection = True
-            return Response.text(f"body ended after {len(body)} of {length} bytes", 400)
+            return error_for(path, 400, f"body ended after {len(body)} of {length} bytes")
         return body
 
     def _drain(self) -> None:
@@ -274,7 +373,7 @@ def _handler(routes: Routes) -> type[BaseHTTPRequestHandler]:
     class Handler(_RouteHandler):
         pass
 
-    Handler.routes = routes
+    Handler.patterns = tuple(_Pattern.of(m, path, route) for (m, path), route in routes.items())
     for method in _METHODS:
         setattr(Handler, f"do_{method}", Handler.dispatch)
     return Handler

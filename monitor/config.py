@@ -21,12 +21,12 @@ DEFAULT_PORT = 9409
 
 
 class _Durations(Section):
-    """A section whose ``*interval``/``*timeout`` fields are Prometheus durations."""
+    """A section whose ``*interval``/``*timeout``/``*_after`` fields are Prometheus durations."""
 
     @field_validator("*", mode="before")
     @classmethod
     def _duration(cls, value: Any, info: Any) -> Any:
-        if info.field_name.endswith(("interval", "timeout")) and value is not None:
+        if info.field_name.endswith(("interval", "timeout", "_after")) and value is not None:
             if seconds(str(value)) <= 0:
                 raise ValueError("must be a positive duration")
             return str(value)
@@ -42,6 +42,11 @@ class ScrapeConfig(_Durations):
     targets: list[str] = Field(default_factory=list, description="Static agent /metrics URLs.")
     runs_root: Path | None = Field(
         default=None, description="Discover agents from runs_root/*/agent.json."
+    )
+    forget_dead_runs_after: str = Field(
+        default="24h",
+        description="Stop watching a run whose process died on this host this long after its "
+        "last sign of life (its dead-run alert resolves).",
     )
 
     @field_validator("targets")
@@ -86,7 +91,8 @@ class ListenConfig(Section):
         default="LOSSGUARD_MONITOR_TOKEN",
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Environment variable holding the bearer token that POST "
-        "/api/v1/alertmanager requires (required when host is not a loopback address).",
+        "/api/v1/alertmanager requires (required when host is not a loopback address) and "
+        "without which POST /api/v1/runs/{run_id}/control is off.",
     )
 
 

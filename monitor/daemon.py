@@ -17,6 +17,7 @@ from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.api import MonitorServer
 from lossguard.monitor.config import MonitorConfig, webhook_token
+from lossguard.monitor.http_api import api_routes
 from lossguard.monitor.metrics import MonitorMetrics
 from lossguard.monitor.notify.config import read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
@@ -34,7 +35,10 @@ from lossguard.monitor.rules.rulefile import (
     metric_names,
 )
 from lossguard.monitor.rules.ruleset import RuleSet, Schedule
+from lossguard.monitor.runs import RUN_METRICS, RunsView
 from lossguard.monitor.sources import Source
+from lossguard.monitor.sources.discovery import discover
+from lossguard.monitor.sources.liveness import DeadRun
 from lossguard.monitor.sources.prometheus import PrometheusSource
 from lossguard.monitor.sources.scrape import ScrapeSource
 from lossguard.monitor.state import StateStore
@@ -105,6 +109,7 @@ class Monitor:
         self._wake = threading.Event()
         self._last_cycle: float | None = None
         self.schedule = Schedule(self.interval_s)
+        token = webhook_token(config.listen)  # ConfigError: the caller exits 2
         self.server = MonitorServer(
             self.metrics.registry,
             self._health,
@@ -112,7 +117,14 @@ class Monitor:
             config.listen.host,
             config.listen.port,
             on_alerts=self.receive_alertmanager,
-            token=webhook_token(config.listen),  # ConfigError: the caller exits 2
+            token=token,
+            extra=api_routes(
+                RunsView(config.scrape.runs_root, self.source, self.store),
+                self.store,
+                self.actions.endpoints,
+                token=token,
+                token_env=config.listen.token_env,
+            ),
         )
 
     def _make_source(self, groups: list[RuleGroup]) -> Source:
@@ -130,6 +142,7 @@ class Monitor:
             job=scrape.job,
             retention_s=longest_range_s(groups) + RETENTION_MARGIN_S,
             keep_names=_kept_names(groups),
+            forget_dead_after_s=seconds(scrape.forget_dead_runs_after),
         )
 
     # ------------------------------------------------------------------ the loop
@@ -192,8 +205,20 @@ class Monitor:
         self.schedule.done(self.ruleset.groups, groups or {g.key for g in self.ruleset.groups}, t)
         self.metrics.update_alerts(self.ruleset.rules)
         self.metrics.update_targets(self.source.targets())
+        self.metrics.update_run_exits(self._dead_runs(t))
         self._last_cycle = t
         return transitions
+
+    def _dead_runs(self, t: float) -> list[DeadRun]:
+        """The runs whose process died here: the scraper's, or (with source: prometheus) from a
+        look at ``scrape.runs_root``, so that Prometheus scraping ``/metrics`` sees them."""
+        if isinstance(self.source, ScrapeSource):
+            return self.source.dead_runs()
+        scrape = self.config.scrape
+        if scrape.runs_root is None:
+            return []
+        forget_after_s = seconds(scrape.forget_dead_runs_after)
+        return discover(scrape.runs_root, now=t, forget_after_s=forget_after_s).dead
 
     def act(self, now: float) -> None:
         """Decide about the firing alerts that ask for an action (recorded, then sent by the
@@ -374,7 +399,7 @@ class Monitor:
 
 
 def _kept_names(groups: list[RuleGroup]) -> frozenset[str] | None:
-    """The metric names a scrape keeps: those the rules and the notifications read (None:
-    all, when a rule selects names by regex)."""
+    """The metric names a scrape keeps: those the rules, the notifications and the HTTP API
+    read (None: all, when a rule selects names by regex)."""
     names = metric_names(groups)
-    return None if names is None else names | FACT_METRICS
+    return None if names is None else names | FACT_METRICS | set(RUN_METRICS.values())

@@ -1,6 +1,6 @@
 """The monitor's own metrics, the ``lossguard_monitor_*`` series, declared once in
-:data:`CATALOGUE` and registered by :class:`MonitorMetrics`. ``lossguard.monitor.api`` serves
-them on ``/metrics``."""
+:data:`CATALOGUE`, and what it knows about runs from their files (:data:`RUN_CATALOGUE`),
+registered by :class:`MonitorMetrics`. ``lossguard.monitor.api`` serves them on ``/metrics``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ from lossguard.monitor.notify.model import Notification
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore
 from lossguard.monitor.rules.alerting import RuleAlerts
 from lossguard.monitor.sources import TargetStatus
+from lossguard.monitor.sources.liveness import (
+    RUN_EXITED,
+    RUN_EXITED_HELP,
+    RUN_EXITED_LABELS,
+    DeadRun,
+)
 
 PREFIX = "lossguard_monitor_"
 EVAL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -60,6 +66,12 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
 }
 BUCKETS = {"rule_evaluation_duration_seconds": EVAL_BUCKETS}
+# Series about runs, not the monitor: full names, the same names and labels as the monitor's own
+# scrape path writes (lossguard.monitor.sources.liveness), so a Prometheus that scrapes the
+# monitor evaluates the rules on them alike.
+RUN_CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    RUN_EXITED: ("gauge", RUN_EXITED_HELP, RUN_EXITED_LABELS),
+}
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -75,6 +87,9 @@ class MonitorMetrics:
                 kind, PREFIX + name, doc, labels, self.registry, BUCKETS.get(name)
             )
             for name, (kind, doc, labels) in CATALOGUE.items()
+        } | {
+            name: register_metric(kind, name, doc, labels, self.registry)
+            for name, (kind, doc, labels) in RUN_CATALOGUE.items()
         }
         ProcessCollector(registry=self.registry)
         self.alerts = self.metric(Gauge, "alerts")
@@ -89,11 +104,14 @@ class MonitorMetrics:
         self.outbox_pending = self.metric(Gauge, "outbox_pending")
         self.dead_letters = self.metric(Gauge, "outbox_dead_letters")
         self.actions = self.metric(Counter, "actions")
+        self.run_exited = self.metric(Gauge, RUN_EXITED)
         self._seen_alerts: set[tuple[str, str]] = set()
         self._seen_targets: set[str] = set()
+        self._seen_exits: set[tuple[str, ...]] = set()
 
     def metric(self, kind: type[M], name: str) -> M:
-        """The catalogue metric ``name`` (without prefix), checked to be a ``kind``."""
+        """The catalogue metric ``name`` (without prefix; a run series by its full name),
+        checked to be a ``kind``."""
         metric = self._metrics[name]
         if not isinstance(metric, kind):
             raise TypeError(f"{PREFIX}{name} is a {type(metric).__name__}, not a {kind.__name__}")
@@ -132,3 +150,12 @@ class MonitorMetrics:
         for url, target in current.items():
             self.target_up.labels(url).set(1 if target.up else 0)
         self._seen_targets = set(current)
+
+    def update_run_exits(self, dead: Iterable[DeadRun]) -> None:
+        """Set the dead runs' series; a run no longer dead (or forgotten) loses its series."""
+        current = {tuple(run.labels()[name] for name in RUN_EXITED_LABELS): run for run in dead}
+        for key in self._seen_exits - set(current):
+            self.run_exited.remove(*key)
+        for key, run in current.items():
+            self.run_exited.labels(*key).set(run.last_seen)
+        self._seen_exits = set(current)

@@ -11,11 +11,12 @@ from typing import Any
 import requests
 
 from lossguard.monitor.actions.describe import describe
-from lossguard.monitor.actions.exhausted import ExhaustedPages
+from lossguard.monitor.actions.exhausted import RULE_KEY, ExhaustedPages
+from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore, OutboxEntry
-from lossguard.monitor.rules.alerting import AlertState
+from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
 from lossguard.monitor.state import StateStore, value_text
 
 LISTED = 20  # pending notifications and dead letters shown
@@ -25,20 +26,7 @@ def collect(state: StateStore, timeout_s: float = 2.0) -> dict[str, Any]:
     """Everything the status shows, as plain data (also the ``--json`` output)."""
     now = time.time()
     notify = NotifyStore(state)
-    firing = [
-        {"labels": a.labels, "value": value_text(a.value), "since": a.fired_at, "rule": rule}
-        for rule, alerts in state.load_alerts().items()
-        for a in alerts
-        if a.state is AlertState.FIRING
-    ] + [
-        {
-            "labels": p["labels"],
-            "value": value_text(p["value"]),
-            "since": p["fired_at"],
-            "rule": "actions",
-        }
-        for p in ExhaustedPages(state).firing()
-    ]
+    firing = [a for a in active_alerts(state) if a["state"] == AlertState.FIRING.value]
     actions = ActionStore(state)
     silences = [
         {
@@ -64,16 +52,55 @@ def collect(state: StateStore, timeout_s: float = 2.0) -> dict[str, Any]:
             daemon["error"] = type(exc).__name__
     return {
         "monitor": daemon,
-        "firing": sorted(firing, key=lambda a: a["since"] or 0),
+        "firing": firing,
         "silences": silences,
         "actions": [
-            {**r.to_json(), "text": describe(r)}
+            action_json(r)
             for r in actions.open() + [r for r in actions.recent(LISTED) if not r.is_open]
         ],
         "outbox": notify.counts(),
         "pending": [_entry(e) for e in notify.entries(PENDING, LISTED)],
         "dead_letters": [_entry(e) for e in notify.entries(DEAD, LISTED)],
     }
+
+
+def active_alerts(state: StateStore) -> list[dict[str, Any]]:
+    """The pending and firing alerts as the last evaluation recorded them, the monitor's own
+    RollbacksExhausted pages included, longest in their state first. ``since``: when the alert
+    entered its state; ``value`` as text (NaN included)."""
+    alerts = [a for found in state.load_alerts().values() for a in found] + [
+        Alert(
+            rule=RULE_KEY,
+            fingerprint=fingerprint(p["labels"]),
+            labels=p["labels"],
+            annotations=p["annotations"],
+            state=AlertState.FIRING,
+            value=p["value"],
+            active_at=p["fired_at"],
+            fired_at=p["fired_at"],
+        )
+        for p in ExhaustedPages(state).firing()
+    ]
+    listed = [
+        {
+            "fingerprint": a.fingerprint,
+            "rule": a.rule,
+            "labels": a.labels,
+            "annotations": a.annotations,
+            "state": a.state.value,
+            "value": value_text(a.value),
+            "active_at": a.active_at,
+            "fired_at": a.fired_at,
+            "since": a.active_at if a.fired_at is None else a.fired_at,
+        }
+        for a in alerts
+    ]
+    return sorted(listed, key=lambda a: (a["since"], a["fingerprint"]))
+
+
+def action_json(record: ActionRecord) -> dict[str, Any]:
+    """An action's record, with what was done in words (``text``)."""
+    return {**record.to_json(), "text": describe(record)}
 
 
 def _entry(entry: OutboxEntry) -> dict[str, Any]:

@@ -165,6 +165,19 @@ def monitored_agent(
     """A monitor with the shipped rules and an agent with ``faults`` under ``work``; yields
     the run directory, the monitor's state database and the agent's process."""
     runs = work / "runs"
+    with shipped_monitor(work, runs) as db:
+        settings = agent_settings(runs, cache, run_id, checkpoint_every, faults=faults, train=train)
+        agent = start_agent(write_config(work / f"{run_id}.yaml", settings))
+        try:
+            yield runs / run_id, db, agent
+        finally:
+            stop_process(agent)
+
+
+@contextmanager
+def shipped_monitor(work: Path, runs: Path) -> Iterator[Path]:
+    """A monitor with the shipped rules watching ``runs`` (notifications to its log only),
+    its files under ``work``; yields its state database."""
     work.mkdir(parents=True, exist_ok=True)
     config, _ = write_monitor_config(
         work / "monitor.yml",
@@ -173,12 +186,9 @@ def monitored_agent(
         notifications=LOG_ONLY,
     )
     monitor_process = start_monitor(config)
-    settings = agent_settings(runs, cache, run_id, checkpoint_every, faults=faults, train=train)
-    agent = start_agent(write_config(work / f"{run_id}.yaml", settings))
     try:
-        yield runs / run_id, work / "state.db", agent
+        yield work / "state.db"
     finally:
-        stop_process(agent)
         stop_process(monitor_process)
 
 

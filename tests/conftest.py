@@ -63,6 +63,12 @@ def tiny_config(tmp_path: Path, corpus_cache: Path):
     return build
 
 
+def supervisor_argv(run_dir: Path, *options: str, command: list[str]) -> list[str]:
+    """``lossguard-supervise run --run-dir RUN_DIR OPTIONS -- COMMAND``."""
+    cli = [sys.executable, "-m", "lossguard.monitor.supervisor.cli", "run"]
+    return [*cli, "--run-dir", str(run_dir), *options, "--", *command]
+
+
 def run_cli(
     *args: str, timeout: float = 240, module: str = "lossguard.agent.cli", **env: str
 ) -> subprocess.CompletedProcess[str]:

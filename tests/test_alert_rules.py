@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from lossguard.monitor.actions.policy import ACTIONS as ACTION_KINDS
 from lossguard.monitor.promql import check
 from lossguard.monitor.rules.templating import check_template
 from tests.conftest import monitor_cli
@@ -23,7 +24,7 @@ TEST_FILES = sorted((REPO / "alerts" / "tests").glob("*.test.yml"))
 RUNBOOK = REPO / "docs" / "runbook.md"
 
 SEVERITIES = {"critical", "warning", "info"}
-ACTIONS = {"rollback", "pause", "stop", "checkpoint"}
+ACTIONS = set(ACTION_KINDS)
 ANNOTATIONS = {"summary", "description", "runbook_url"}
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lossguard.agent.control.commands import answered_before
+from lossguard.agent.control.server import answered_before
 from lossguard.agent.rundir import RunDirectory
 from lossguard.common.control_client import ControlClient, ControlError
 from lossguard.common.protocol import MAX_LINE_BYTES

@@ -507,14 +507,21 @@ def test_tcp_without_the_token_is_a_usage_error(
     assert tcp_agent.connections == 0
 
 
-@pytest.mark.parametrize("target", ["../x", "/tmp/ckpt", "step_00001600", "-3", "1.5"])
+@pytest.mark.parametrize("target", ["../x", "/tmp/ckpt", "step_1600", "-3", "1.5"])
 def test_rollback_to_a_path_is_refused_before_connecting(
     capsys, unix_agent: FakeAgent, target: str
 ) -> None:
     code, out, err = ctl(capsys, "rollback", target, agent=unix_agent)
     assert (code, out) == (2, "")
-    assert "never a path" in err.splitlines()[-1]
+    assert "a checkpoint name (step_00000150), never a path" in err.splitlines()[-1]
     assert unix_agent.connections == 0
+
+
+def test_rollback_takes_a_checkpoint_name_for_its_step(capsys, unix_agent: FakeAgent) -> None:
+    assert ctl(capsys, "rollback", "step_00001600", agent=unix_agent)[0] == 0
+    assert unix_agent.requests[0].args["target"] == 1600
+    code, out, _ = ctl(capsys, "rollback", "--help")
+    assert code == 0 and "checkpoint name" in out
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Guard in a user's own training loop: accounting, gradient norm, metrics log, no per-step sync."""
+"""Guard in a user's own training loop: accounting, gradient norm, metrics log, no per-step sync;
+starting, resuming and overwriting a run directory."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ import json
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from lossguard.agent import Guard
+from lossguard.agent.checkpoint.meta import list_checkpoints
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.checkpoint.targets import is_superseded
 from lossguard.agent.config import Config, parse_config
+from lossguard.agent.guard import CheckpointsExist
 from lossguard.agent.recovery import RestoreError, weights_digest
+from lossguard.common.supervisor_file import RESUME_ENV
 
 from .conftest import count_host_reads
 
@@ -44,8 +49,8 @@ def user_loop(run_dir: Path, steps: int, **train: object) -> tuple[Guard, list[f
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    cfg = guard_config(train={"max_steps": steps, **train})
-    guard = Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False)
+    cfg = guard_config(train=train)
+    guard = Guard(run_dir, model=model, optimizer=opt, config=cfg, max_steps=steps, progress=False)
     norms: list[float] = []
     x = torch.randn(64, 8)
     y = x.sum(dim=1, keepdim=True)
@@ -67,8 +72,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def step_target(guard: Guard) -> float | None:
+    """The exported ``lossguard_step_target`` gauge."""
+    assert guard.telemetry is not None
+    labels = {"run_id": guard.run_id, "rank": "0"}
+    return guard.telemetry.metrics.registry.get_sample_value("lossguard_step_target", labels)
+
+
 def test_user_loop_gets_accounting_and_a_metrics_log(tmp_path: Path) -> None:
-    guard, _ = user_loop(tmp_path / "run", steps=23, log_every=5, grad_clip=None)
+    guard, _ = user_loop(tmp_path / "run", steps=23, log_every=5)
+    assert guard.status()["max_steps"] == 23 and step_target(guard) == 23
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [5, 10, 15, 20, 23]
     assert [r["tokens"] for r in records] == [320, 640, 960, 1280, 1472]
@@ -85,14 +98,31 @@ def test_user_loop_gets_accounting_and_a_metrics_log(tmp_path: Path) -> None:
 def test_gradient_norm_is_taken_before_clipping(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    cfg = guard_config(train={"grad_clip": 0.01, "max_steps": 1})
-    guard = Guard(tmp_path, model=model, config=cfg, progress=False)
+    guard = Guard(tmp_path, model=model, config=guard_config(), grad_clip=0.01, progress=False)
     (model(torch.randn(16, 4)) * 100).sum().backward()
     before = grad_norm(model)
     norm = guard.after_backward(torch.tensor(1.0), tokens=16)
     after = grad_norm(model)
     torch.testing.assert_close(norm, before)
     assert after.item() == pytest.approx(0.01, rel=1e-3)
+    guard.close()
+
+
+def test_gradients_are_clipped_only_when_asked(tmp_path: Path) -> None:
+    """A config's ``train.grad_clip`` (1.0 by default) is the built-in trainer's: a user's
+    loop keeps its gradients, and an open-ended run exports no step target."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    cfg = guard_config(train={"grad_clip": 1.0})
+    guard = Guard(tmp_path, model=model, config=cfg, progress=False)
+    (model(torch.randn(16, 4)) * 100).sum().backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    norm = guard.after_backward(torch.tensor(1.0), tokens=16)
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert norm.item() > 100
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert guard.status()["max_steps"] is None and step_target(guard) is None
+    guard.close()
 
 
 def test_host_reads_happen_once_per_log_interval(
@@ -209,8 +239,8 @@ def test_detector_state_is_optional_on_restore(tmp_path: Path) -> None:
     short_loop(guard, model, opt, 5)
     guard.close()
     on = guard_config(train={"max_steps": 10}, checkpoint={"every": 5})
-    guard = Guard(tmp_path, model=model, optimizer=opt, config=on, progress=False)
-    assert guard.restore(5)["step"] == 5  # saved without detectors: they start afresh
+    guard = Guard(tmp_path, model=model, optimizer=opt, config=on, resume=5, progress=False)
+    assert guard.step == 5  # saved without detectors: they start afresh
     guard.close()
 
 
@@ -276,3 +306,174 @@ def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path: Path) -> None:
     assert not refused.value.not_found  # a rollback answers "failed", not "not_found"
     assert guard.step == 3 and not guard.stop_requested
     guard.close()
+
+
+class Counter:
+    """Registered user state: how many steps it has seen."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = int(state["count"])
+
+
+def checkpointing_guard(run_dir: Path, **guard_args: Any) -> tuple[Guard, nn.Module]:
+    """A Guard over a fresh seeded model that checkpoints every 5 steps (none at exit)."""
+    model, opt = linear_model()
+    cfg = guard_config(checkpoint={"every": 5, "keep_last": 50, "save_on_exit": False})
+    guard = Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False, **guard_args)
+    return guard, model
+
+
+def ten_steps_run(run_dir: Path) -> None:
+    """A run that took checkpoints at steps 5 and 10 (a Counter registered as ``seen``)."""
+    guard, model = checkpointing_guard(run_dir)
+    seen = Counter()
+    guard.register("seen", seen)
+    x = torch.randn(8, 4)
+    for _ in range(10):
+        model(x).pow(2).mean().backward()
+        guard.after_backward(torch.tensor(1.0), tokens=8)
+        guard.optimizer.step()  # type: ignore[union-attr]
+        guard.optimizer.zero_grad()  # type: ignore[union-attr]
+        seen.count += 1
+        guard.end_step()
+        guard.poll()
+    guard.close()
+
+
+def saved_weights(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
+    state = torch.load(run_dir / "checkpoints" / name / "state.pt", weights_only=True)
+    return state["state"]["model"]
+
+
+def test_a_run_dir_with_checkpoints_is_not_started_over(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    ten_steps_run(run_dir)
+    records = {name: (run_dir / name).read_bytes() for name in ("events.jsonl", "agent.json")}
+    with pytest.raises(CheckpointsExist) as refused:
+        checkpointing_guard(run_dir)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{run_dir} already has checkpoints")
+    assert "(newest: step_00000010)" in message
+    assert "resume='latest'" in message and "overwrite=True" in message
+    assert records == {name: (run_dir / name).read_bytes() for name in records}  # untouched
+    assert not (run_dir / "control.sock").exists()
+
+
+def test_a_run_that_crashed_before_its_first_checkpoint_starts_again(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    guard, _ = checkpointing_guard(run_dir)
+    short_loop(guard, guard.model, guard.optimizer, 3)  # type: ignore[arg-type]
+    guard.close(failed=True)
+    assert (run_dir / "config.yaml").exists() and list_checkpoints(run_dir / "checkpoints") == []
+    again, _ = checkpointing_guard(run_dir)
+    assert again.step == 0
+    again.close()
+    assert [e["event"] for e in read_jsonl(run_dir / "events.jsonl")].count("start") == 2
+
+
+def test_resume_restores_before_the_first_step(tmp_path: Path) -> None:
+    """``resume`` takes a checkpoint name too; state registered right after the resume gets
+    its saved state, state registered once training went on does not."""
+    run_dir = tmp_path / "run"
+    ten_steps_run(run_dir)
+    guard, model = checkpointing_guard(run_dir, resume="step_00000005")
+    assert guard.step == 5
+    weights = saved_weights(run_dir, "step_00000005")
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    seen = Counter()
+    guard.register("seen", seen)
+    assert seen.count == 5
+    resumed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resumed"]
+    assert len(resumed) == 1
+    assert {k: resumed[0][k] for k in ("target", "source", "checkpoint", "step")} == {
+        "target": 5,
+        "source": "argument",
+        "checkpoint": "step_00000005",
+        "step": 5,
+    }
+    short_loop(guard, model, guard.optimizer, 1)  # type: ignore[arg-type]
+    late = Counter()
+    guard.register("late", late)
+    assert late.count == 0
+    guard.close()
+
+
+def test_the_supervisors_resume_wins_over_the_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    ten_steps_run(run_dir)
+    monkeypatch.setenv(RESUME_ENV, "step_00000005")
+    guard, _ = checkpointing_guard(run_dir, resume="latest", skip_batches=3)
+    assert guard.step == 5
+    guard.close()
+    guard, _ = checkpointing_guard(run_dir, overwrite=True)  # not honoured on a restart
+    assert guard.step == 5 and list_checkpoints(run_dir / "checkpoints")
+    guard.close()
+    resumed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resumed"]
+    assert [(e["source"], e["skipped_batches"]) for e in resumed] == [(RESUME_ENV, 0)] * 2
+    monkeypatch.setenv(RESUME_ENV, "")  # empty: not set
+    guard, _ = checkpointing_guard(run_dir, resume=10)  # superseded by the resume at 5
+    assert guard.step == 10
+    guard.close()
+    monkeypatch.setenv(RESUME_ENV, "../step_00000005")
+    with pytest.raises(ValueError, match=f"^{RESUME_ENV}: .*never a path"):
+        checkpointing_guard(run_dir)
+
+
+def test_overwrite_moves_the_previous_run_aside(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    ten_steps_run(run_dir)
+    old_events = (run_dir / "events.jsonl").read_text()
+    guard, model = checkpointing_guard(run_dir, overwrite=True)
+    assert guard.step == 0 and list_checkpoints(run_dir / "checkpoints") == []
+    short_loop(guard, model, guard.optimizer, 5)  # type: ignore[arg-type]
+    guard.close()
+    (aside,) = run_dir.glob("overwritten-*")
+    assert [m.name for m in list_checkpoints(aside / "checkpoints")] == [
+        "step_00000005",
+        "step_00000010",
+    ]
+    assert (aside / "events.jsonl").read_text() == old_events
+    assert (aside / "metrics.jsonl").exists() and (aside / "config.yaml").exists()
+    assert [m.name for m in list_checkpoints(run_dir / "checkpoints")] == ["step_00000005"]
+    overwritten = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "overwritten"]
+    assert overwritten[0]["moved_to"] == str(aside)
+    assert overwritten[0]["checkpoints"] == ["step_00000005", "step_00000010"]
+
+
+def test_a_resume_that_fails_closes_the_guard(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    ten_steps_run(run_dir)
+    with pytest.raises(RestoreError, match="no checkpoint matches target 7"):
+        checkpointing_guard(run_dir, resume=7)
+    assert not (run_dir / "control.sock").exists()
+    assert json.loads((run_dir / "agent.json").read_text())["exit"] == "failed"
+    guard, _ = checkpointing_guard(run_dir, resume="latest")  # nothing was left held
+    assert guard.step == 10
+    guard.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"resume": "latest", "overwrite": True}, "exclude each other"),
+        ({"skip_batches": 3}, "only with resume"),
+        ({"resume": "latest", "skip_batches": -1}, "must be >= 0"),
+        ({"resume": "/tmp/step_00000005"}, "^resume: .*never a path"),
+        ({"grad_clip": 0.0}, "grad_clip: must be a number > 0"),
+        ({"max_steps": 0}, "max_steps: must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_written(
+    tmp_path: Path, args: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        checkpointing_guard(tmp_path / "run", **args)
+    assert not (tmp_path / "run").exists()

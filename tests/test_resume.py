@@ -217,6 +217,15 @@ def test_resume_problems_are_reported(tmp_path: Path, corpus_cache: Path) -> Non
     assert run_cli("run", str(config), "--resume", "../x").returncode == 2
 
     assert run_cli("run", str(config)).returncode == 0  # checkpoints at 5, 10 and final 12
+    again = run_cli("run", str(config))
+    assert again.returncode == 2 and again.stderr.count("\n") == 1
+    assert again.stderr.startswith(
+        f"lossguard-agent: error: run.id: run directory {run_dir} already has checkpoints "
+        "(newest: step_00000012): use --resume latest"
+    )
+    assert "--overwrite to start over" in again.stderr
+    both = run_cli("run", str(config), "--resume", "latest", "--overwrite")
+    assert both.returncode == 2 and "--overwrite: not with --resume" in both.stderr
     finished = json.loads((run_dir / "agent.json").read_text())
     assert finished["exit"] == "completed" and finished["finished_at"] > finished["started_at"]
     state = run_dir / "checkpoints/step_00000012/state.pt"
@@ -230,6 +239,43 @@ def test_resume_problems_are_reported(tmp_path: Path, corpus_cache: Path) -> Non
 
     none = run_cli("run", str(config), "--resume", "7")
     assert none.returncode == 1 and "cannot resume" in none.stderr
+    bad_env = run_cli("run", str(config), LOSSGUARD_RESUME="/tmp/step_00000010")
+    assert bad_env.returncode == 2 and "LOSSGUARD_RESUME: must be one of" in bad_env.stderr
+
+
+def test_restarts_resume_from_lossguard_resume_or_start_again(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    """What a supervisor relies on: a run that crashed before its first checkpoint starts
+    again with the same command, and $LOSSGUARD_RESUME makes the same command resume (winning
+    over --resume); --overwrite starts over and keeps the old run."""
+    settings = exact_settings(tmp_path, corpus_cache)
+    settings["train"]["max_steps"] = 12
+    config = write_config(tmp_path / "c.yaml", settings)
+    run_dir = tmp_path / "runs/tiny"
+
+    crashed = run_cli("run", str(config), "--set", "faults=[{kind: crash, step: 3}]")
+    assert crashed.returncode == 70 and not (run_dir / "checkpoints/step_00000005").exists()
+    assert run_cli("run", str(config)).returncode == 0  # checkpoints at 5, 10 and final 12
+
+    restarted = run_cli("run", str(config), "--resume", "latest", LOSSGUARD_RESUME="step_00000005")
+    assert restarted.returncode == 0, restarted.stderr
+    resumed = [e for e in events(run_dir) if e["event"] == "resumed"]
+    assert [(e["checkpoint"], e["source"]) for e in resumed] == [
+        ("step_00000005", "LOSSGUARD_RESUME")
+    ]
+    assert "resumed from step_00000005 at step 5 (target 5 from $LOSSGUARD_RESUME)" in (
+        restarted.stderr
+    )
+    by_name = run_cli("run", str(config), "--resume", "step_00000010")
+    assert by_name.returncode == 0, by_name.stderr
+    assert [e for e in events(run_dir) if e["event"] == "resumed"][-1]["step"] == 10
+
+    over = run_cli("run", str(config), "--overwrite")
+    assert over.returncode == 0, over.stderr
+    (aside,) = run_dir.glob("overwritten-*")
+    assert (aside / "checkpoints/step_00000010/meta.json").exists()
+    assert [e["event"] for e in events(run_dir)][:2] == ["start", "overwritten"]
 
 
 def test_rollback_under_torchrun_leaves_ranks_identical(tmp_path: Path, corpus_cache: Path) -> None:
@@ -269,3 +315,39 @@ def weights_digest_of(state: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def test_rollback_to_last_good_goes_back_past_the_update_that_made_the_loss_spike(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    """The checkpoint of step 40 holds step 40's update, made at 1000x the learning rate: it is
+    saved healthy (the loss it causes shows only at step 41), so ``last_good`` must mean the
+    newest healthy checkpoint before the step ahead of the episode: step 20."""
+    settings = tiny_settings(
+        tmp_path / "runs",
+        corpus_cache,
+        train={"max_steps": 100_000, "log_every": 1, "eval_every": 10**6},
+        checkpoint={"every": 20, "keep_last": 100},
+        telemetry={"spikes": {"zscore": 25.0}},
+        faults=[{"kind": "lr_scale", "step": 40, "duration": 50, "factor": 1000, "once": True}],
+    )
+    agent = start_agent(write_config(tmp_path / "c.yaml", settings))
+    run_dir = tmp_path / "runs/tiny"
+    try:
+        spike = wait_for(
+            lambda: next(
+                (e for e in events(run_dir) if e["event"] == "spike" and e["signal"] == "loss"),
+                None,
+            ),
+            120,
+            "the loss spike",
+        )
+        assert spike["diagnosis"]["step"] == 41
+        meta = json.loads((run_dir / "checkpoints/step_00000040/meta.json").read_text())
+        assert meta["healthy"] is True
+        with client(run_dir) as ctl:
+            result = ctl.request("rollback", {"target": "last_good"})
+        assert result["to_step"] == 20 and result["checkpoint"] == "step_00000020"
+    finally:
+        agent.terminate()
+        agent.wait(60)

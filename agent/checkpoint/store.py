@@ -150,11 +150,25 @@ class CheckpointStore:
         """Visible checkpoints in creation order; unreadable ones are skipped with a warning."""
         return list_checkpoints(self.root)
 
-    def resolve(self, target: str | int) -> builtins.list[CheckpointMeta]:
-        """Candidates for ``target`` (latest, best, last_good or a step), most preferred first."""
+    def resolve(
+        self, target: str | int, before_step: int | None = None
+    ) -> builtins.list[CheckpointMeta]:
+        """Candidates for ``target`` (latest, best, last_good or a step), most preferred first.
+        ``before_step``: prefer checkpoints of earlier steps (a rollback away from trouble that
+        began after them); when there is none, the others still count."""
         candidates = ordered(self.list(), target)
         if not candidates:
             raise CheckpointError(f"no checkpoint matches target {target!r} in {self.root}")
+        if before_step is not None:
+            earlier = [m for m in candidates if m.step < before_step]
+            if not earlier:
+                log.warning(
+                    "no %s checkpoint before step %d; using %s",
+                    target,
+                    before_step,
+                    candidates[0].name,
+                )
+            return earlier or candidates
         return candidates
 
     def named(self) -> dict[str, CheckpointMeta | None]:
@@ -162,12 +176,15 @@ class CheckpointStore:
         metas = self.list()
         return {target: next(iter(ordered(metas, target)), None) for target in NAMED_TARGETS}
 
-    def load(self, target: str | int) -> tuple[CheckpointMeta, dict[str, Any]]:
-        """The first usable candidate for ``target`` and its state, loaded on the CPU.
+    def load(
+        self, target: str | int, before_step: int | None = None
+    ) -> tuple[CheckpointMeta, dict[str, Any]]:
+        """The first usable candidate for ``target`` (``resolve``) and its state, loaded on the
+        CPU.
 
         Each unusable candidate is logged as a warning naming it, the problem and the next one.
         """
-        candidates = self.resolve(target)
+        candidates = self.resolve(target, before_step)
         for index, meta in enumerate(candidates):
             try:
                 return meta, self._read_state(meta)

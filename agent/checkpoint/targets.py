@@ -1,9 +1,11 @@
-"""Which checkpoints a target (``latest``, ``best``, ``last_good`` or a step) means, and the
-superseded flag that keeps named targets off an abandoned timeline. Torch-free."""
+"""Which checkpoints a target (``latest``, ``best``, ``last_good`` or a step) means, the
+superseded flag that keeps named targets off an abandoned timeline, and the listing that the
+``checkpoints`` command answers. Torch-free."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from lossguard.agent.checkpoint.meta import CheckpointError, CheckpointMeta
 
@@ -39,3 +41,13 @@ def ordered(metas: list[CheckpointMeta], target: str | int) -> list[CheckpointMe
     raise CheckpointError(
         f"unknown checkpoint target {target!r}: use {', '.join(NAMED_TARGETS)} or a step number"
     )
+
+
+def listing(metas: list[CheckpointMeta]) -> dict[str, Any]:
+    """The ``checkpoints`` command's result: every checkpoint's meta, oldest first, and the
+    names that ``latest``, ``best`` and ``last_good`` resolve to (None where none does)."""
+    named = {target: next(iter(ordered(metas, target)), None) for target in NAMED_TARGETS}
+    return {
+        "checkpoints": [meta.to_dict() for meta in metas],
+        **{target: meta.name if meta else None for target, meta in named.items()},
+    }

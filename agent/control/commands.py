@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from lossguard.agent.checkpoint.meta import CheckpointMeta
 from lossguard.agent.checkpoint.store import CheckpointStore
-from lossguard.agent.control.server import REMEMBERED_IDS, ControlServer, PendingCommand
+from lossguard.agent.checkpoint.targets import listing
+from lossguard.agent.control.server import ControlServer, PendingCommand
 from lossguard.agent.distributed import all_reduce_max, broadcast_objects
 from lossguard.agent.recovery import OnSaved, RestoreError
 from lossguard.agent.telemetry.collector import Telemetry
@@ -64,23 +65,6 @@ class CommandFailed(Exception):
 
 
 Reply = Callable[[dict[str, Any] | CommandFailed], None]
-
-
-def answered_before(events: Iterable[Mapping[str, Any]]) -> list[PendingCommand]:
-    """The commands that earlier processes of this run applied, from their ``command`` audit
-    events (written by ``CommandRunner.apply``), with the replies they got: a client that
-    repeats one of their ids after a restart gets that reply, and nothing is applied twice."""
-    answered = []
-    for event in events:
-        if event.get("event") != "command" or "cmd" not in event:
-            continue  # requests refused before they were queued are not remembered
-        request = Request(str(event["id"]), event["cmd"], event.get("args") or {})
-        if event["ok"]:
-            reply = ok_reply(request.id, event["result"])
-        else:
-            reply = {"id": request.id, "ok": False, "error": event["error"]}  # as it was sent
-        answered.append(PendingCommand.answered(request, reply))
-    return answered[-REMEMBERED_IDS:]
 
 
 def checkpoint_summary(store: CheckpointStore) -> dict[str, str | None]:
@@ -171,7 +155,7 @@ class CommandRunner:
         store = self.store
         if store is None:
             return {}
-        return {"checkpoints": [m.to_dict() for m in store.list()], **checkpoint_summary(store)}
+        return listing(store.list())
 
     def _save(self, args: dict[str, Any], reply: Reply) -> None:
         started = time.perf_counter()

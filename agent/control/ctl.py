@@ -1,4 +1,5 @@
-"""``lossguard-ctl``: send one control command to a running agent and print its result."""
+"""``lossguard-ctl``: send one control command to a running agent and print its result; with
+``--run-dir``, list a run's checkpoints from disk or say why its agent is gone when none answers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR
+from lossguard.agent.control.offline import checkpoints_on_disk, dead_agent
 from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from lossguard.common.console import format_duration
 from lossguard.common.control_client import (
@@ -35,13 +38,16 @@ DEFAULT_TOKEN_ENV = "LOSSGUARD_CONTROL_TOKEN"
 
 EPILOG = f"""\
 The agent replies once the command is applied at a step boundary (a save, once the checkpoint
-is on disk); --timeout bounds that wait.
+is on disk); --timeout bounds that wait. With --run-dir and no agent answering, `checkpoints`
+lists the run directory's checkpoints, and other commands say whether the agent's process is
+gone and how to resume the run.
 
 exit status:
   {EXIT_OK}    the agent applied the command
   {EXIT_REFUSED}    the agent refused or failed the command, or its reply could not be read
   {EXIT_USAGE}    usage error; nothing was sent
-  {EXIT_UNREACHABLE}    cannot reach the agent, or it closed the connection without replying
+  {EXIT_UNREACHABLE}    cannot reach the agent (or its process is gone), or it closed the connection
+       without replying
   {EXIT_TIMEOUT}    no reply within --timeout (the command may still be applied)
   {EXIT_INTERRUPTED}  interrupted
 """
@@ -110,7 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("checkpoints", help="list the checkpoints")
     sub.add_parser("save", help="save a checkpoint now")
     rollback = sub.add_parser("rollback", help="restore a checkpoint and train on from it")
-    rollback.add_argument("target", metavar="TARGET", help="last_good, best, latest or a step")
+    rollback.add_argument(
+        "target",
+        metavar="TARGET",
+        help="last_good, best, latest, a step or a checkpoint name (step_00001600)",
+    )
     rollback.add_argument(
         "--skip-batches",
         type=_skip_batches,
@@ -303,6 +313,20 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
+def _without_agent(run_dir: Path, cmd: str, as_json: bool, exc: ControlUnavailable) -> int:
+    """No agent answers for ``run_dir``: list its checkpoints from disk, or say why (a dead
+    agent: one line with its pid, last step and how it is being or can be resumed)."""
+    if cmd == "checkpoints" and run_dir.is_dir():
+        note = (
+            f"no agent answered at {run_dir / SOCKET_NAME}: "
+            f"checkpoints read from {run_dir / CHECKPOINT_DIR}"
+        )
+        print(note, file=sys.stderr if as_json else sys.stdout)
+        print(_render(cmd, checkpoints_on_disk(run_dir), as_json))
+        return EXIT_OK
+    return _fail(EXIT_UNREACHABLE, dead_agent(run_dir) or str(exc))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -318,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ControlError as exc:
             return _fail(EXIT_REFUSED, f"{exc.code}: {exc.message}")
         except ControlUnavailable as exc:
+            if args.run_dir is not None:
+                return _without_agent(args.run_dir, cmd, args.json, exc)
             return _fail(EXIT_UNREACHABLE, str(exc))
         except ControlTimeout as exc:
             return _fail(EXIT_TIMEOUT, str(exc))

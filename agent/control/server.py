@@ -15,20 +15,23 @@ import socket
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from lossguard.agent.config import ControlConfig
 from lossguard.common.config import ConfigError
 from lossguard.common.protocol import (
+    COMMAND_ARGS,
     MAX_LINE_BYTES,
     SOCKET_NAME,
+    CommandArgs,
     ErrorCode,
     ProtocolError,
     Request,
     encode,
     error_reply,
+    ok_reply,
     parse_request,
 )
 
@@ -100,13 +103,16 @@ class ControlServer:
         token: str | None = None,
         on_reject: RejectHook | None = None,
         answered: Iterable[PendingCommand] = (),
+        commands: Mapping[str, type[CommandArgs]] = COMMAND_ARGS,
     ) -> None:
         """``answered``: commands applied before this server started, whose ids are answered
-        from their results and never applied again."""
+        from their results and never applied again; ``commands``: what this server accepts
+        (the agent's commands by default; the supervisor serves its own)."""
         if tcp is not None and not token:
             raise ValueError("a TCP control listener needs a token")
         self.socket_path = socket_path
         self._token = token
+        self._commands = commands
         self._on_reject = on_reject
         self._listeners: list[tuple[socket.socket, bool]] = []  # (socket, needs_token)
         self._stopping = threading.Event()
@@ -203,7 +209,7 @@ class ControlServer:
 
     def _handle_line(self, line: bytes, needs_token: bool) -> dict[str, Any]:
         try:
-            request = parse_request(line)
+            request = parse_request(line, self._commands)
             if needs_token and not _token_matches(request.token, self._token):
                 raise ProtocolError(
                     ErrorCode.UNAUTHORIZED, "a valid token is required over TCP", request.id
@@ -333,3 +339,20 @@ def serve_control(
         raise ConfigError(f"control.{exc.endpoint}: {exc}") from None
     server.start()
     return server
+
+
+def answered_before(events: Iterable[Mapping[str, Any]]) -> list[PendingCommand]:
+    """The commands that earlier processes of this run applied, from their ``command`` audit
+    events (written by ``CommandRunner.apply``), with the replies they got: a client that
+    repeats one of their ids after a restart gets that reply, and nothing is applied twice."""
+    answered = []
+    for event in events:
+        if event.get("event") != "command" or "cmd" not in event:
+            continue  # requests refused before they were queued are not remembered
+        request = Request(str(event["id"]), event["cmd"], event.get("args") or {})
+        if event["ok"]:
+            reply = ok_reply(request.id, event["result"])
+        else:
+            reply = {"id": request.id, "ok": False, "error": event["error"]}  # as it was sent
+        answered.append(PendingCommand.answered(request, reply))
+    return answered[-REMEMBERED_IDS:]

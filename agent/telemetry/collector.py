@@ -80,12 +80,14 @@ class Telemetry:
         rank: int,
         world_size: int,
         run_id: str,
+        max_steps: int | None,
         flops_per_token: float,
         group: Any,
         loss_scaling: bool = False,
     ) -> None:
         cfg = config.telemetry
         self.config = config
+        self.max_steps = max_steps
         self.device = device
         self.rank = rank
         self.world_size = world_size
@@ -288,7 +290,8 @@ class Telemetry:
             version=__version__,
             git_commit=git_commit() or "unknown",
         )
-        self.metrics.set("step_target", cfg.train.max_steps)
+        if self.max_steps is not None:
+            self.metrics.set("step_target", self.max_steps)
         self.metrics.set("paused", 0)
         self.metrics.set("checkpoint_in_progress", 0)
         for signal in SIGNALS:

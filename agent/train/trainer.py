@@ -26,7 +26,7 @@ from lossguard.agent.distributed import (
     setup_distributed,
     teardown_distributed,
 )
-from lossguard.agent.guard import Guard
+from lossguard.agent.guard import Guard, resume_target
 from lossguard.agent.precision import autocast, convert_to_fp8, make_grad_scaler
 from lossguard.agent.train.data import Batch, BatchSampler, load_data
 from lossguard.agent.train.faults import FaultInjector
@@ -95,8 +95,15 @@ class Trainer:
         progress: bool = True,
         resume: Target | None = None,
         skip_batches: int = 0,
+        overwrite: bool = False,
     ) -> None:
-        if resume is not None and cfg.run.id is None:
+        """``resume``, ``skip_batches`` and ``overwrite`` are Guard's (``$LOSSGUARD_RESUME``
+        wins); a run directory with checkpoints needs one of them (``CheckpointsExist``)."""
+        try:
+            resuming = resume_target(resume)[0] is not None
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if resuming and cfg.run.id is None:
             raise ConfigError("run.id: required to resume (the run directory is <run.dir>/<id>)")
         self.dist = setup_distributed(cfg.run.device)
         self.device = self.dist.device
@@ -104,14 +111,9 @@ class Trainer:
         cfg.run.id = broadcast_from_main(cfg.run.id or new_run_id())
         self.cfg = cfg
         self.run_path = cfg.run.dir / str(cfg.run.id)
-        exists = (self.run_path / "config.yaml").exists()
-        if exists and resume is None:
-            raise ConfigError(
-                f"run.id: run directory {self.run_path} already exists (use --resume to continue)"
-            )
-        if not exists and resume is not None:
+        if resuming and not (self.run_path / "config.yaml").exists():
             raise ConfigError(f"run.id: no run directory {self.run_path} to resume")
-        if resume is not None and socket_is_live(self.run_path / SOCKET_NAME):
+        if resuming and socket_is_live(self.run_path / SOCKET_NAME):
             raise ConfigError(
                 f"run.id: {self.run_path} is still running (its control socket answers); "
                 "stop it before resuming"
@@ -160,24 +162,33 @@ class Trainer:
             if cfg.train.early_stopping
             else None
         )
-        self.guard = Guard(
-            self.run_path,
-            model=self.raw_model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            data=self.sampler,
-            scaler=self.scaler,
-            ema=self.ema,
-            config=cfg,
-            progress=progress,
-            flops_per_token=flops_per_token(
-                self.raw_model.num_params(),
-                cfg.model.n_layer,
-                cfg.model.n_head,
-                cfg.model.n_embd // cfg.model.n_head,
-                cfg.model.block_size,
-            ),
-        )
+        try:
+            self.guard = Guard(
+                self.run_path,
+                model=self.raw_model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                data=self.sampler,
+                scaler=self.scaler,
+                ema=self.ema,
+                config=cfg,
+                max_steps=cfg.train.max_steps,
+                grad_clip=cfg.train.grad_clip,
+                resume=resume,
+                skip_batches=skip_batches,
+                overwrite=overwrite,
+                progress=progress,
+                flops_per_token=flops_per_token(
+                    self.raw_model.num_params(),
+                    cfg.model.n_layer,
+                    cfg.model.n_head,
+                    cfg.model.n_embd // cfg.model.n_head,
+                    cfg.model.block_size,
+                ),
+            )
+        except BaseException:
+            teardown_distributed(together=False)
+            raise
         self.faults = FaultInjector(
             cfg.faults,
             seed=cfg.run.seed,
@@ -186,17 +197,8 @@ class Trainer:
             optimizer=self.optimizer,
             event=self.guard.event,
         )
-        if self.early_stopping is not None:
+        if self.early_stopping is not None:  # after a resume: loaded from the checkpoint
             self.guard.register("early_stopping", self.early_stopping)
-        if resume is not None:
-            try:
-                restored = self.guard.restore(resume, skip_batches=skip_batches)
-            except Exception:
-                self.close(failed=True)
-                raise
-            self.guard.event("resumed", target=resume, skipped_batches=skip_batches, **restored)
-            if self.dist.is_main:
-                log.info("resumed from %s at step %d", restored["checkpoint"], restored["step"])
         if self.dist.is_main:
             log.info(
                 "run %s: %s; model %.2fM params (%d fp8 layers); %s on %s x%d; %d tokens/step",

@@ -11,6 +11,7 @@ _VERB = {
     "pause": "pause",
     "stop": "stop",
     "checkpoint": "save a checkpoint",
+    "restart": "restart the training process through its supervisor",
 }
 
 
@@ -67,6 +68,12 @@ def _applied(record: ActionRecord) -> str:
         return f"stopped training at step {result.get('step')}" + (
             f" after saving {saved}" if saved else " (the final save failed)"
         )
+    if record.kind == "restart":
+        if not result.get("restarting"):
+            return f"the supervisor did not restart the run ({result.get('reason')})"
+        ended = result.get("killed_pid")
+        how = f"ended process group {ended} ({result.get('exit')}) and " if ended else ""
+        return f"the supervisor {how}restarted the run from its newest healthy checkpoint"
     healthy = "healthy" if result.get("healthy") else "marked unhealthy"
     return f"saved checkpoint {result.get('name')} at step {result.get('step')} ({healthy})"
 

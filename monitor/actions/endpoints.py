@@ -1,6 +1,7 @@
 """Where a run's agent takes commands: its control socket, found through discovery, or the TCP
 address ``actions.agents`` gives for agents on other hosts (with the token from the
-environment)."""
+environment); and where its supervisor takes ``restart``: ``supervisor.sock`` in the run
+directory (a supervisor runs on the training host, so only under the runs root)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from pathlib import Path
 
 from lossguard.common.control_client import ControlClient
+from lossguard.common.supervisor_file import SupervisorInfo
 from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.sources.discovery import DiscoveredTarget, discover_agents
 
@@ -35,6 +37,16 @@ class Endpoints:
             host, _, port = address.rpartition(":")
             return ControlClient(tcp=(host, int(port)), token=token, timeout=self.timeout_s)
         return ControlClient(socket_path=self.socket_of(run_id), timeout=self.timeout_s)
+
+    def supervisor_client(self, run_id: str) -> ControlClient:
+        """The run's supervisor (its ``supervisor.json`` names the socket)."""
+        run_dir = self.run_dir(run_id)
+        if run_dir is None:
+            raise NoEndpoint(f"run {run_id}: no run directory under the runs root, no supervisor")
+        info = SupervisorInfo.read(run_dir)
+        if info is None or info.socket is None:
+            raise NoEndpoint(f"run {run_id} has no supervisor (run it under lossguard-supervise)")
+        return ControlClient(socket_path=Path(info.socket), timeout=self.timeout_s)
 
     def ctl_target(self, run_id: str) -> list[str] | None:
         """How ``lossguard-ctl`` reaches the run (None: not known here)."""

@@ -96,6 +96,8 @@ class ActionPlanner:
             return []
         if kind == "rollback":
             return self._rollback(alert, base, now)
+        if kind == "restart":
+            return self._record(base.replace(args={"reason": f"alert {alert.name}"[:200]}))
         return self._record(base)
 
     def _rollback(self, alert: ActionAlert, base: ActionRecord, now: float) -> list[ActionRecord]:

@@ -17,9 +17,16 @@ from lossguard.common.protocol import parse_target
 from lossguard.monitor.validation import seconds
 
 ACTION_LABEL = "action"
-ACTIONS = ("rollback", "pause", "stop", "checkpoint")
-COMMAND_OF = {"rollback": "rollback", "pause": "pause", "stop": "stop", "checkpoint": "save"}
-"""The control command each action sends."""
+ACTIONS = ("rollback", "pause", "stop", "checkpoint", "restart")
+COMMAND_OF = {
+    "rollback": "rollback",
+    "pause": "pause",
+    "stop": "stop",
+    "checkpoint": "save",
+    "restart": "restart",
+}
+"""The control command each action sends (``restart`` goes to the run's supervisor)."""
+SUPERVISOR_ACTIONS = ("restart",)
 HOST_PORT = re.compile(r"^[^:\s]+:\d{1,5}$")
 
 

@@ -18,7 +18,7 @@ from lossguard.monitor.actions.describe import describe
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
 from lossguard.monitor.actions.model import ActionRecord, ActionState
 from lossguard.monitor.actions.planner import Observe
-from lossguard.monitor.actions.policy import COMMAND_OF
+from lossguard.monitor.actions.policy import COMMAND_OF, SUPERVISOR_ACTIONS
 from lossguard.monitor.actions.store import ActionStore
 
 log = logging.getLogger("lossguard.monitor.actions")
@@ -89,11 +89,14 @@ class ActionRunner:
     def send(self, record: ActionRecord) -> float | None:
         """Send one action and record the outcome; seconds until it is tried again, or None
         when it is settled."""
+        to_supervisor = record.kind in SUPERVISOR_ACTIONS
         try:
-            with self.endpoints.client(record.run_id) as client:
+            connect = self.endpoints.supervisor_client if to_supervisor else self.endpoints.client
+            with connect(record.run_id) as client:
                 result = client.request(COMMAND_OF[record.kind], record.args, request_id=record.id)
         except ControlError as exc:
-            self._finish(record, "failed", reason=f"the agent refused it: {exc}")
+            who = "supervisor" if to_supervisor else "agent"
+            self._finish(record, "failed", reason=f"the {who} refused it: {exc}")
             return None
         except (ControlUnavailable, ControlTimeout, NoEndpoint, OSError) as exc:
             return self._retry(record, str(exc))

@@ -1,5 +1,6 @@
 """What a notification says about the run beyond the alert's own labels: the run's last step and
-what has been done about it so far, read from the same source the rules read."""
+what has been done about it so far, read from the same source the rules read (for a dead run,
+whose series are gone, the step is its alert's ``last_step`` label)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from lossguard.monitor.notify.model import RUN_LABEL
 from lossguard.monitor.promql import PromQLError
 from lossguard.monitor.rules.templating import go_quote
 from lossguard.monitor.sources import Source, SourceError
+from lossguard.monitor.sources.liveness import LAST_STEP_LABEL
 
 log = logging.getLogger("lossguard.monitor.notify")
 ACTIONS = {  # counter -> how a notification says it
@@ -34,6 +36,8 @@ class RunFacts:
             return None, ()
         selector = f"{{run_id={go_quote(run_id)}}}"
         step = self._max(f"{STEP}{selector}", t)
+        if step is None and labels.get(LAST_STEP_LABEL, "").isdigit():
+            step = int(labels[LAST_STEP_LABEL])
         actions = []
         for metric, (one, many) in ACTIONS.items():
             n = self._max(f"{metric}{selector}", t)

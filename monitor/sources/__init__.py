@@ -20,7 +20,7 @@ class TargetStatus:
     job: str
     instance: str
     run_id: str | None
-    up: bool | None  # None: not scraped yet
+    up: bool | None  # None: not scraped yet; False: the last scrape failed, or a dead run
     last_scrape: float | None  # wall time of the last attempt
     last_error: str | None
     scrape_duration_s: float | None

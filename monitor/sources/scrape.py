@@ -5,7 +5,10 @@ markers for series that disappear, for every series of a failed scrape and for t
 
 A discovered target is one rank of one run: it also has the target labels ``run_id`` and
 ``rank``, and an exposition whose series name another run or rank is not its data (the scrape
-fails), so a new run on a reused port never stands in for a dead one.
+fails), so a new run on a reused port never stands in for a dead one. A run whose process is
+known dead is not scraped: it has the series ``lossguard_run_exited_timestamp_seconds`` instead
+(:mod:`lossguard.monitor.sources.liveness`). A live supervisor's exporter is a target too, with
+``job="lossguard-supervisor"`` and ``run_id``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ from lossguard.monitor.promql import (
     parse,
 )
 from lossguard.monitor.sources import TargetStatus
-from lossguard.monitor.sources.discovery import discover_agents, instance_of, redact_url
+from lossguard.monitor.sources.discovery import (
+    SUPERVISOR_JOB,
+    discover,
+    instance_of,
+    redact_url,
+)
+from lossguard.monitor.sources.liveness import DEFAULT_FORGET_AFTER_S, RUN_EXITED, DeadRun
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +54,8 @@ ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 """The text format only: prometheus-client would otherwise answer in OpenMetrics."""
 MAX_TIMEOUT_S = 10.0
 
-TargetKey = tuple[str, int] | str
-"""A discovered target's run and rank, or a static target's URL."""
+TargetKey = tuple[str, str, str] | str
+"""A discovered target's job, run and rank (empty for a supervisor), or a static target's URL."""
 
 _parse_cached = functools.lru_cache(maxsize=1024)(parse)
 
@@ -278,9 +287,24 @@ class _Target:
             raise ScrapeError("parse error: the body is not UTF-8") from None
 
 
+class _Written:
+    """Series the scraper writes itself each cycle: one no longer written gets a staleness
+    marker, as a series that leaves a target's exposition."""
+
+    def __init__(self) -> None:
+        self.keys: set[Labels] = set()
+
+    def write(self, storage: MemoryStorage, samples: dict[Labels, float], t: float) -> None:
+        ended = [(key, STALE_NAN) for key in self.keys.difference(samples)]
+        storage.add_many(itertools.chain(samples.items(), ended), t)
+        self.keys = set(samples)
+
+
 class ScrapeSource:
     """Scrapes static and discovered agents every ``interval_s`` into memory and answers rule
-    expressions over what it keeps (``retention_s`` of history)."""
+    expressions over what it keeps (``retention_s`` of history). Runs whose process died on
+    this host are not scraped: they get a :data:`RUN_EXITED` series until
+    ``forget_dead_after_s`` after their last sign of life."""
 
     def __init__(
         self,
@@ -292,10 +316,15 @@ class ScrapeSource:
         job: str = "lossguard-agent",
         retention_s: float,
         keep_names: frozenset[str] | None = None,
+        forget_dead_after_s: float = DEFAULT_FORGET_AFTER_S,
         max_workers: int = 32,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        for name, seconds in [("interval_s", interval_s), ("retention_s", retention_s)]:
+        for name, seconds in [
+            ("interval_s", interval_s),
+            ("retention_s", retention_s),
+            ("forget_dead_after_s", forget_dead_after_s),
+        ]:
             if not seconds > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {seconds}")
         for url in static_targets:
@@ -306,10 +335,13 @@ class ScrapeSource:
         self.timeout_s = min(interval_s, MAX_TIMEOUT_S) if timeout_s is None else timeout_s
         self.job = job
         self.retention_s = retention_s
+        self.forget_dead_after_s = forget_dead_after_s
         self._keep_names = keep_names
         self.storage = MemoryStorage()
         self._clock = clock
         self._targets: dict[TargetKey, _Target] = {}
+        self._dead: tuple[list[DeadRun], list[TargetStatus]] = ([], [])
+        self._exits = _Written()
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="lossguard-scrape")
         self._cycle = threading.Lock()
         self._stop = threading.Event()
@@ -353,7 +385,12 @@ class ScrapeSource:
         return evaluate(_parse_cached(expr), self.storage, t)
 
     def targets(self) -> list[TargetStatus]:
-        return [target.status for target in self._targets.values()]
+        """The scraped targets as last seen, then the ranks of dead runs (not scraped)."""
+        return [target.status for target in self._targets.values()] + self._dead[1]
+
+    def dead_runs(self) -> list[DeadRun]:
+        """The runs known dead at the last cycle (their :data:`RUN_EXITED` series)."""
+        return self._dead[0]
 
     def scrape_once(self, t: float | None = None) -> None:
         """One whole cycle now: discover, scrape every target concurrently, store the samples at
@@ -367,24 +404,37 @@ class ScrapeSource:
                 self._history_start = t
 
     def _sync(self, t: float) -> list[_Target]:
-        """The targets to scrape now: one per rank of each discovered run (the newest run's, where
-        two name the same run and rank), then the static URLs no run names. Those no longer
-        wanted, or whose URL changed, are forgotten."""
-        wanted: dict[TargetKey, tuple[str, dict[str, str]]] = {}
+        """The targets to scrape now: one per rank of each discovered live run (the newest
+        run's, where two name the same run and rank) and one per live supervisor, then the
+        static URLs no run names. Those no longer wanted, or whose URL changed, are forgotten;
+        the dead runs' series are written."""
+        wanted: dict[TargetKey, tuple[str, str, dict[str, str]]] = {}
+        dead: list[DeadRun] = []
         if self.runs_root is not None:
-            for found in discover_agents(self.runs_root):
-                owner = {"run_id": found.run_id, "rank": str(found.rank)}
-                wanted.setdefault((found.run_id, found.rank), (found.url, owner))
-        discovered = {url for url, _ in wanted.values()}
-        wanted.update((url, (url, {})) for url in self.static_targets if url not in discovered)
+            found = discover(self.runs_root, now=t, forget_after_s=self.forget_dead_after_s)
+            for agent in found.agents:
+                owner = {"run_id": agent.run_id, "rank": str(agent.rank)}
+                rank_key = (self.job, agent.run_id, str(agent.rank))
+                wanted.setdefault(rank_key, (agent.url, self.job, owner))
+            for supervisor in found.supervisors:
+                owner = {"run_id": supervisor.run_id}
+                wanted[(SUPERVISOR_JOB, supervisor.run_id, "")] = (
+                    supervisor.url,
+                    SUPERVISOR_JOB,
+                    owner,
+                )
+            dead = found.dead
+        discovered = {url for url, _, _ in wanted.values()}
+        static = (url for url in self.static_targets if url not in discovered)
+        wanted.update((url, (url, self.job, {})) for url in static)
         current = self._targets
         targets: dict[TargetKey, _Target] = {}
-        for key, (url, owner) in wanted.items():
+        for key, (url, job, owner) in wanted.items():
             target = current.get(key)
             if target is None or target.url != url:
                 target = _Target(
                     url,
-                    job=self.job,
+                    job=job,
                     owner=owner,
                     timeout_s=self.timeout_s,
                     keep_names=self.keep_names,
@@ -394,7 +444,33 @@ class ScrapeSource:
         for key, old in current.items():
             if targets.get(key) is not old:
                 old.forget(self.storage, t)
+        self._write_dead(dead, t)
         return list(targets.values())
+
+    def _write_dead(self, dead: list[DeadRun], t: float) -> None:
+        """Each dead run's :data:`RUN_EXITED` sample (its last sign of life) and its ranks'
+        statuses; the series of a run no longer dead end."""
+        samples = {
+            make_labels({METRIC_NAME: RUN_EXITED, "job": self.job, **run.labels()}): run.last_seen
+            for run in dead
+        }
+        self._exits.write(self.storage, samples, t)
+        statuses = [
+            TargetStatus(
+                url=redact_url(url),
+                job=self.job,
+                instance=instance_of(url),
+                run_id=run.run_id,
+                up=False,
+                last_scrape=None,
+                last_error=run.describe(),
+                scrape_duration_s=None,
+                rank=str(rank),
+            )
+            for run in dead
+            for rank, url in enumerate(run.metrics_urls)
+        ]
+        self._dead = (dead, statuses)
 
     def _cut(self, t: float) -> float:
         """Where history may be cut: ``retention_s`` back, rounded down to a tenth of the

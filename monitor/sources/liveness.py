@@ -1,0 +1,127 @@
+"""Whether a run's training process still lives, and what the page about a dead one says.
+
+A run whose ``agent.json`` names this host and a pid that no longer runs is dead: it ended
+without ending cleanly (``exit`` failed, or no ``exit`` at all: killed, a segfault, the OOM
+killer). Its ranks are not scraped; instead the monitor writes one series per dead run,
+:data:`RUN_EXITED`, on its own scrape path and on its ``/metrics`` (docs/monitor.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, list_checkpoints
+from lossguard.agent.checkpoint.targets import ordered
+from lossguard.common.agent_file import AGENT_FILE, AgentInfo
+from lossguard.common.metrics_log import LastLogged, last_logged
+from lossguard.common.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+
+RUN_EXITED = "lossguard_run_exited_timestamp_seconds"
+LAST_STEP_LABEL = "last_step"
+RUN_EXITED_LABELS = ("run_id", "exit", LAST_STEP_LABEL, "last_checkpoint", "supervisor")
+RUN_EXITED_HELP = (
+    "Present while a run's training process is known dead on the monitor's host without having "
+    "ended cleanly: when it was last alive (Unix seconds). exit: crashed (no exit in agent.json) "
+    "or agent.json's exit; last_step: its last logged step; last_checkpoint: its newest "
+    "checkpoint and whether it is healthy; supervisor: restarting, crash_loop or none."
+)
+CRASHED = "crashed"
+SUPERVISOR_RESTARTING = "restarting"
+SUPERVISOR_CRASH_LOOP = "crash_loop"
+NO_SUPERVISOR = "none"
+DEFAULT_FORGET_AFTER_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class DeadRun:
+    """A run whose process died on this host and was not replaced."""
+
+    run_id: str
+    run_dir: Path
+    pid: int
+    metrics_urls: tuple[str, ...]
+    exit: str  # crashed, or agent.json's exit (failed)
+    last_seen: float  # its last sign of life, Unix seconds
+    last_step: int | None
+    last_checkpoint: str | None  # "step_00000150 (healthy)"
+    supervisor: str  # restarting | crash_loop | none
+
+    def labels(self) -> dict[str, str]:
+        """The :data:`RUN_EXITED` labels (an unknown value is empty: the label is absent)."""
+        return {
+            "run_id": self.run_id,
+            "exit": self.exit,
+            LAST_STEP_LABEL: "" if self.last_step is None else str(self.last_step),
+            "last_checkpoint": self.last_checkpoint or "",
+            "supervisor": self.supervisor,
+        }
+
+    def describe(self) -> str:
+        """One line for the monitor's status: how it ended and what is left of it."""
+        how = "crashed (no exit in agent.json)" if self.exit == CRASHED else f"exited ({self.exit})"
+        step = "no step logged" if self.last_step is None else f"last step {self.last_step}"
+        checkpoint = self.last_checkpoint or "none"
+        return (
+            f"process {self.pid} {how}, not scraped: {step}, last checkpoint {checkpoint}, "
+            f"supervisor {self.supervisor}"
+        )
+
+
+def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
+    """The run of ``info`` if its process is known dead: its ``agent.json`` names ``hostname``
+    (this host) and a pid that no longer runs. None while it lives, or when this host cannot
+    tell (another host, no pid)."""
+    if info.pid is None or info.hostname != hostname or pid_alive(info.pid):
+        return None
+    try:
+        stat = os.stat(run_dir / AGENT_FILE)
+    except OSError:
+        return None  # removed meanwhile
+    logged, checkpoint = _what_is_left(run_dir, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    signs = (info.finished_at, logged.time, stat.st_mtime)
+    return DeadRun(
+        run_id=info.run_id,
+        run_dir=run_dir,
+        pid=info.pid,
+        metrics_urls=info.metrics_urls,
+        exit=info.exit or CRASHED,
+        last_seen=max(s for s in signs if s is not None),
+        last_step=logged.step,
+        last_checkpoint=checkpoint,
+        supervisor=supervisor_state(run_dir, hostname),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _what_is_left(run_dir: Path, agent_file: tuple[int, int, int]) -> tuple[LastLogged, str | None]:
+    """The end of the metrics log and the newest checkpoint, read once per ``agent.json``
+    version (``agent_file``): a dead process writes nothing more, and listing checkpoints warns
+    about each broken one."""
+    return last_logged(run_dir), newest_checkpoint(run_dir)
+
+
+def newest_checkpoint(run_dir: Path) -> str | None:
+    """``step_00000150 (healthy)``, or ``step_00000150 (not healthy; last good
+    step_00000100)``: the checkpoint a resume would take first, and whether it is good."""
+    metas = list_checkpoints(run_dir / CHECKPOINT_DIR)
+    newest = next(iter(ordered(metas, "latest")), None)
+    if newest is None:
+        return None
+    if newest.healthy:
+        return f"{newest.name} (healthy)"
+    good = next(iter(ordered(metas, "last_good")), None)
+    return f"{newest.name} (not healthy; last good {good.name if good else 'none'})"
+
+
+def supervisor_state(run_dir: Path, hostname: str) -> str:
+    """What the run's live supervisor does about it: restarting (running or in backoff),
+    crash_loop (gave up), or none (no supervisor, or it is not running here)."""
+    info = SupervisorInfo.read(run_dir)
+    if info is None or not info.alive_here(hostname):
+        return NO_SUPERVISOR
+    if info.state in RESTARTING:
+        return SUPERVISOR_RESTARTING
+    return SUPERVISOR_CRASH_LOOP if info.state == "crash_loop" else NO_SUPERVISOR

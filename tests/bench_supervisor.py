@@ -1,0 +1,247 @@
+"""The supervisor under chaos, and a hung run restarted through the monitor, on CPU.
+
+    python -m tests.bench_supervisor [--only chaos|hang] [--kills 10] [--steps 600] [--keep DIR]
+
+* chaos: the tiny GPT trained ``--steps`` steps uninterrupted, then again under
+  ``lossguard-supervise`` while the training process is SIGKILLed ``--kills`` times at random
+  moments (and the supervisor itself once, halfway, and started again). The final weights
+  (sha256 of the model's tensors in the final checkpoint) must be bitwise identical; reports
+  restarts, steps trained again, and the wall-time overhead against the uninterrupted run.
+* hang: a supervised run hits the ``hang`` fault; a monitor with the shipped rules (TrainingStalled:
+  no step for 300 s, for 5m, action restart) asks the supervisor to restart it. Reports the time
+  from the hang to the alert, to the restart, and to the first step trained again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, STATE_FILE, list_checkpoints
+from lossguard.common.metrics_log import last_logged
+from lossguard.common.supervisor_file import SupervisorInfo, pid_alive
+from tests.bench_recovery import fired_at, records, shipped_monitor
+from tests.conftest import (
+    events,
+    stop_process,
+    supervisor_argv,
+    tiny_settings,
+    wait_for,
+    write_config,
+)
+
+AGENT = [sys.executable, "-m", "lossguard.agent.cli", "run"]
+
+
+def weights_sha256(run_dir: Path) -> str:
+    """sha256 over the model's tensors (name, dtype, bytes) in the run's newest checkpoint."""
+    newest = list_checkpoints(run_dir / CHECKPOINT_DIR)[-1]
+    state = torch.load(run_dir / CHECKPOINT_DIR / newest.name / STATE_FILE, weights_only=False)
+    digest = hashlib.sha256()
+    for name, tensor in sorted(state["state"]["model"].items()):
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def supervise(run_dir: Path, config: Path, *options: str) -> subprocess.Popen[bytes]:
+    command = [*AGENT, str(config), "--no-progress"]
+    return subprocess.Popen(
+        supervisor_argv(run_dir, *options, command=command),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def training_pid(run_dir: Path, after: int | None) -> int | None:
+    """The supervised training process, once it is a new one (not ``after``) and alive."""
+    info = SupervisorInfo.read(run_dir)
+    if info is None or info.state != "running" or info.child_pid in (None, after):
+        return None
+    return info.child_pid if pid_alive(info.child_pid) else None
+
+
+def trained_since(run_dir: Path, since: float) -> bool:
+    logged = last_logged(run_dir).time
+    return logged is not None and logged > since
+
+
+def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[str, Any]:
+    train = {"max_steps": steps, "log_every": 10, "eval_every": 10**6}
+    checkpoint = {"every": 25, "keep_last": 4}
+    work.mkdir(parents=True, exist_ok=True)
+    plain = tiny_settings(work / "runs", cache, run={"id": "plain"}, train=train)
+    plain["checkpoint"] = checkpoint
+    started = time.monotonic()
+    subprocess.run(
+        [*AGENT, str(write_config(work / "plain.yaml", plain)), "--no-progress"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    plain_s = time.monotonic() - started
+    chaotic = {**plain, "run": {**plain["run"], "id": "chaos"}}
+    config = write_config(work / "chaos.yaml", chaotic)
+    run_dir = work / "runs" / "chaos"
+    options = ("--backoff", "100ms", "--backoff-max", "1s", "--max-restarts", str(kills + 5))
+    rng = random.Random(seed)
+    started = time.monotonic()
+    supervisor = supervise(run_dir, config, *options)
+    killed: int | None = None
+    try:
+        for kill in range(kills):
+            pid = wait_for(lambda k=killed: training_pid(run_dir, k), 120, "a training process")
+            seen = time.time()
+            wait_for(lambda t=seen: trained_since(run_dir, t), 120, "a step of the new process")
+            time.sleep(rng.uniform(0.0, plain_s / (2 * kills)))  # a random moment of training
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                break  # the run finished before all the kills
+            killed = pid
+            if kill == kills // 2:  # the supervisor too, once: a new one takes over
+                wait_for(lambda k=killed: training_pid(run_dir, k), 120, "the restart")
+                supervisor.kill()
+                supervisor.wait()
+                supervisor = supervise(run_dir, config, *options)
+        status = supervisor.wait(timeout=1800)
+    finally:
+        stop_process(supervisor)
+    chaos_s = time.monotonic() - started
+    trail = events(run_dir)
+    crashes = [e for e in trail if e.get("event") == "crash"]
+    restarts = [e for e in trail if e.get("event") == "restart"]
+    resumed = {e.get("resume_from") for e in restarts}
+    redone = 0
+    for crash in crashes:
+        back_to = int(crash["resume_from"][5:]) if crash.get("resume_from") else 0
+        redone += (crash.get("step") or 0) - back_to
+    return {
+        "status": status,
+        "kills": len(crashes),
+        "supervisor_starts": sum(1 for e in trail if e.get("event") == "supervisor_start"),
+        "restarts": len(restarts),
+        "checkpoints_resumed": len(resumed),
+        "steps_redone": redone,
+        "plain_s": plain_s,
+        "chaos_s": chaos_s,
+        "identical": weights_sha256(work / "runs" / "plain") == weights_sha256(run_dir),
+        "sha": weights_sha256(run_dir),
+    }
+
+
+def hang(work: Path, cache: Path) -> dict[str, float]:
+    runs = work / "runs"
+    settings = tiny_settings(
+        runs,
+        cache,
+        run={"id": "hung"},
+        train={"max_steps": 10**6, "log_every": 5, "eval_every": 10**6},
+        faults=[{"kind": "hang", "step": 200, "once": True}],
+    )
+    settings["checkpoint"] = {"every": 50, "keep_last": 4}
+    run_dir = runs / "hung"
+    with shipped_monitor(work, runs) as db:
+        config = write_config(work / "hung.yaml", settings)
+        supervisor = supervise(run_dir, config, "--kill-after", "10s")
+        try:
+            fault = wait_for(lambda: first_event(run_dir, "fault"), 300, "the hang")
+            restart = wait_for(lambda: first_event(run_dir, "restart"), 1500, "the restart")
+            again = wait_for(
+                lambda: next(
+                    (
+                        r
+                        for r in records(run_dir)
+                        if r["kind"] == "train" and r["time"] > restart["time"]
+                    ),
+                    None,
+                ),
+                300,
+                "a step after the restart",
+            )
+            fired = wait_for(lambda: fired_at(db, "TrainingStalled"), 10, "the alert")
+        finally:
+            stop_process(supervisor)
+    return {
+        "hang_step": fault["step"],
+        "resumed_from": restart["resume_from"],
+        "fired_s": fired - fault["time"],
+        "restarted_s": restart["time"] - fault["time"],
+        "training_s": again["time"] - fault["time"],
+    }
+
+
+def first_event(run_dir: Path, kind: str) -> dict[str, Any] | None:
+    return next((e for e in events(run_dir) if e.get("event") == kind), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("chaos", "hang"))
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--keep", type=Path, help="keep the runs in this folder")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    work = args.keep or Path(tempfile.mkdtemp(prefix="lossguard-supervisor-"))
+    cache = work / "cache"
+    console = Console()
+    if args.only in (None, "chaos"):
+        r = chaos(work / "chaos", cache, args.steps, args.kills, args.seed)
+        table = Table(title=f"Chaos: {args.steps} steps, SIGKILLs of the training process")
+        for column in ("kills", "supervisor restarts", "restarts", "steps re-done"):
+            table.add_column(column)
+        for column in ("uninterrupted", "supervised", "overhead", "weights"):
+            table.add_column(column)
+        table.add_row(
+            str(r["kills"]),
+            str(r["supervisor_starts"] - 1),
+            str(r["restarts"]),
+            str(r["steps_redone"]),
+            f"{r['plain_s']:.1f} s",
+            f"{r['chaos_s']:.1f} s",
+            f"x{r['chaos_s'] / r['plain_s']:.2f}",
+            ("bitwise identical" if r["identical"] else "DIFFERENT") + f" ({r['sha'][:12]})",
+        )
+        console.print(table)
+        print(json.dumps({k: v for k, v in r.items() if k != "sha"}))
+    if args.only in (None, "hang"):
+        h = hang(work / "hang", cache)
+        table = Table(title="A hung run (shipped TrainingStalled: 300 s, for 5m; action restart)")
+        for column in (
+            "hang at step",
+            "alert fired",
+            "restarted",
+            "training again",
+            "resumed from",
+        ):
+            table.add_column(column)
+        table.add_row(
+            str(h["hang_step"]),
+            f"{h['fired_s']:.0f} s",
+            f"{h['restarted_s']:.0f} s",
+            f"{h['training_s']:.0f} s",
+            str(h["resumed_from"]),
+        )
+        console.print(table)
+    console.print(f"runs kept in {work}" if args.keep else "")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""lossguard-supervise with stand-in training commands: restarts, backoff and budget, crash loop
+and a human restart, preemption, requested restarts of a hung command, a killed supervisor."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from lossguard.common.control_client import ControlClient
+from lossguard.common.supervisor_file import SupervisorInfo, pid_alive
+from lossguard.monitor.supervisor.budget import RestartBudget
+from tests.conftest import events, stop_process, supervisor_argv, wait_for
+
+# A stand-in training command: counts its starts in starts.txt, records the checkpoint it was
+# told to resume from, then behaves as the file behaviour.txt says: "exit N" (after writing a
+# line to stderr), "hang", or "train" (run until SIGTERM, then exit 0, as the agent does).
+COMMAND = textwrap.dedent(
+    """
+    import os, signal, sys, threading, pathlib
+    here = pathlib.Path(sys.argv[1])
+    with open(here / "starts.txt", "a") as fh:
+        fh.write(os.environ.get("LOSSGUARD_RESUME", "-") + "\\n")
+    behaviour = (here / "behaviour.txt").read_text().split()
+    if behaviour[0] == "exit":
+        print("stand-in: failing on purpose", file=sys.stderr)
+        sys.exit(int(behaviour[1]))
+    stopped = threading.Event()
+    if behaviour[0] == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stuck: only SIGKILL ends it
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    (here / "child.pid").write_text(str(os.getpid()))
+    stopped.wait()
+    (here / "saved.txt").write_text("saved")
+    """
+)
+
+
+def stand_in(run_dir: Path) -> list[str]:
+    script = run_dir.parent / "stand_in.py"
+    script.write_text(COMMAND)
+    return [sys.executable, str(script), str(run_dir)]
+
+
+def supervise(run_dir: Path, *options: str) -> subprocess.Popen[str]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = supervisor_argv(run_dir, "--backoff", "50ms", *options, command=stand_in(run_dir))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def starts(run_dir: Path) -> list[str]:
+    path = run_dir / "starts.txt"
+    return path.read_text().split() if path.exists() else []
+
+
+def ask(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lossguard.monitor.supervisor.cli",
+            *args,
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def supervisor_series(run_dir: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    info = SupervisorInfo.read(run_dir)
+    assert info is not None and info.metrics_url is not None
+    text = requests.get(info.metrics_url, timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def state_of(run_dir: Path) -> str | None:
+    info = SupervisorInfo.read(run_dir)
+    return info.state if info else None
+
+
+def of_kind(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in events(run_dir) if e.get("event") == kind]
+
+
+def test_restarts_after_crashes_until_the_command_succeeds(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "behaviour.txt").write_text("exit 3")
+    supervisor = supervise(run_dir)
+    try:
+        wait_for(lambda: len(starts(run_dir)) >= 3, 30, "three starts")
+        (run_dir / "behaviour.txt").write_text("train")
+        wait_for(lambda: (run_dir / "child.pid").exists(), 30, "a start that trains")
+        child = int((run_dir / "child.pid").read_text())
+        assert state_of(run_dir) == "running"
+        series = supervisor_series(run_dir)
+        crashes = series[("lossguard_supervisor_crashes_total", (("run_id", "run"),))]
+        assert crashes == len(starts(run_dir)) - 1
+        supervisor.send_signal(signal.SIGTERM)  # preemption: forwarded, saved, not restarted
+        assert supervisor.wait(30) == 0
+    finally:
+        stop_process(supervisor)
+    assert (run_dir / "saved.txt").exists() and not pid_alive(child)
+    crash = of_kind(run_dir, "crash")[0]
+    assert crash["exit"] == "exit code 3" and crash["source"] == "supervisor"
+    assert "stand-in: failing on purpose" in crash["stderr_tail"]
+    assert crash["resume_from"] is None  # no checkpoints: started afresh
+    assert [e["reason"] for e in of_kind(run_dir, "restart")] == ["crash"] * crash_count(run_dir)
+    assert of_kind(run_dir, "supervisor_exit")[-1]["stop_signal"] is True
+    assert state_of(run_dir) == "exited"
+
+
+def crash_count(run_dir: Path) -> int:
+    return len(of_kind(run_dir, "crash"))
+
+
+def test_a_completed_run_is_not_restarted(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "behaviour.txt").write_text("exit 0")
+    supervisor = supervise(run_dir)
+    assert supervisor.wait(30) == 0
+    assert len(starts(run_dir)) == 1 and crash_count(run_dir) == 0
+    assert state_of(run_dir) == "exited"
+
+
+def test_crash_loop_stops_restarting_pages_and_waits_for_a_human(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "behaviour.txt").write_text("exit 1")
+    supervisor = supervise(run_dir, "--max-restarts", "2", "--window", "1h")
+    try:
+        wait_for(lambda: state_of(run_dir) == "crash_loop", 30, "the crash loop")
+        assert len(starts(run_dir)) == 3  # the first start and two restarts
+        series = supervisor_series(run_dir)
+        assert series[("lossguard_supervisor_state", (("run_id", "run"), ("state", "crash_loop")))]
+        assert series[("lossguard_supervisor_restarts_remaining", (("run_id", "run"),))] == 0
+        assert of_kind(run_dir, "crash_loop")
+        assert supervisor.poll() is None  # stays up: the page is its state series
+
+        (run_dir / "behaviour.txt").write_text("train")
+        restarted = ask(run_dir, "restart", "--reason", "fixed the data path")
+        assert restarted.returncode == 0, restarted.stderr
+        wait_for(lambda: state_of(run_dir) == "running", 30, "the human restart")
+        assert len(starts(run_dir)) == 4
+        request = of_kind(run_dir, "command")[-1]
+        assert request["cmd"] == "restart" and request["args"] == {"reason": "fixed the data path"}
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(30) == 0
+    finally:
+        stop_process(supervisor)
+
+
+def test_a_requested_restart_ends_a_hung_process_group_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "behaviour.txt").write_text("hang")
+    supervisor = supervise(run_dir, "--kill-after", "200ms")
+    try:
+        wait_for(lambda: (run_dir / "child.pid").exists(), 30, "the hung command")
+        hung = int((run_dir / "child.pid").read_text())
+        (run_dir / "child.pid").unlink()
+        (run_dir / "behaviour.txt").write_text("train")
+        with ControlClient(socket_path=run_dir / "supervisor.sock", timeout=30) as client:
+            first = client.request("restart", {"reason": "TrainingStalled"}, request_id="r-1")
+            again = client.request("restart", {"reason": "TrainingStalled"}, request_id="r-1")
+        assert first["restarting"] is True and first["killed_pid"] == hung
+        assert again == first  # the same id is applied once
+        wait_for(lambda: (run_dir / "child.pid").exists(), 30, "the restarted command")
+        assert not pid_alive(hung)
+        assert len(starts(run_dir)) == 2
+        restarts = of_kind(run_dir, "restart")
+        assert [r["reason"] for r in restarts] == ["requested"]
+        series = supervisor_series(run_dir)
+        key = ("lossguard_supervisor_restarts_total", (("reason", "requested"), ("run_id", "run")))
+        assert series[key] == 1
+    finally:
+        stop_process(supervisor)
+    # a supervisor started again remembers the id: the request is not applied twice
+    supervisor = supervise(run_dir)
+    try:
+        wait_for(lambda: len(starts(run_dir)) == 3, 30, "the second supervisor's start")
+        with ControlClient(socket_path=run_dir / "supervisor.sock", timeout=30) as client:
+            assert client.request("restart", {}, request_id="r-1") == first
+            assert client.request("status", {})["restarts"] == 0  # nothing was restarted
+    finally:
+        stop_process(supervisor)
+
+
+def test_a_killed_supervisor_takes_its_run_along(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "behaviour.txt").write_text("train")
+    supervisor = supervise(run_dir)
+    wait_for(lambda: (run_dir / "child.pid").exists(), 30, "the command")
+    child = int((run_dir / "child.pid").read_text())
+    supervisor.kill()
+    supervisor.wait(10)
+    wait_for(lambda: not pid_alive(child), 10, "the orphaned command to end")
+
+
+def test_one_supervisor_per_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "behaviour.txt").write_text("train")
+    supervisor = supervise(run_dir)
+    try:
+        wait_for(lambda: state_of(run_dir) == "running", 30, "the first supervisor")
+        second = supervise(run_dir)
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 1
+        assert err.strip().splitlines()[-1] == (
+            f"lossguard-supervise: error: supervisor pid {supervisor.pid} already supervises "
+            f"{run_dir.resolve()}"
+        )
+    finally:
+        stop_process(supervisor)
+
+
+def test_status_and_a_missing_command(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    refused = ask(run_dir, "status")
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(
+        f"lossguard-supervise: error: no supervisor answers at {run_dir}"
+    )
+    usage = subprocess.run(
+        supervisor_argv(run_dir, command=[])[:-1], capture_output=True, text=True, timeout=60
+    )
+    assert usage.returncode == 2 and "the training command is missing" in usage.stderr
+
+
+def test_budget_doubles_the_backoff_and_refuses_past_the_window() -> None:
+    budget = RestartBudget(max_restarts=3, window_s=3600, backoff_s=0.05, backoff_max_s=0.15)
+    assert [budget.take(t) for t in (0.0, 1.0, 2.0, 3.0)] == [0.05, 0.1, 0.15, None]
+    assert budget.remaining(3.0) == 0
+    assert budget.take(3600.5) == 0.15  # the first restart left the window: two remain in it
+    assert budget.remaining(3600.5) == 0
+
+
+def test_env_of_a_start_names_no_stale_resume(tmp_path: Path) -> None:
+    """A LOSSGUARD_RESUME in the supervisor's own environment never reaches a fresh start."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "behaviour.txt").write_text("exit 0")
+    env = {**os.environ, "LOSSGUARD_RESUME": "step_00000999"}
+    argv = supervisor_argv(run_dir, command=stand_in(run_dir))
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert starts(run_dir) == ["-"]
+    assert json.loads((run_dir / "supervisor.json").read_text())["state"] == "exited"
