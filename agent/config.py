@@ -211,7 +211,14 @@ class WandbConfig(Section):
 
 
 FaultKind = Literal[
-    "lr_scale", "nonfinite_loss", "corrupt_batch", "scale_activations", "slow_step", "hang", "crash"
+    "lr_scale",
+    "nonfinite_loss",
+    "corrupt_batch",
+    "scale_activations",
+    "slow_step",
+    "slow_save",
+    "hang",
+    "crash",
 ]
 
 
@@ -222,7 +229,9 @@ class FaultConfig(Section):
     factor: float = Field(
         default=10.0, gt=0.0, description="lr_scale / scale_activations multiplier."
     )
-    seconds: float = Field(default=1.0, gt=0.0, description="slow_step: added wall time.")
+    seconds: float = Field(
+        default=1.0, gt=0.0, description="slow_step, slow_save: added wall time."
+    )
     once: bool = Field(
         default=False,
         description="A transient fault: it perturbs the first pass over its steps only, not a "

@@ -48,6 +48,11 @@ class ScrapeConfig(_Durations):
         description="Stop watching a run whose process died on this host this long after its "
         "last sign of life (its dead-run alert resolves).",
     )
+    file_sd_path: Path | None = Field(
+        default=None,
+        description="Write the discovered targets (agents and live supervisors, with job, "
+        "run_id and rank labels) to this Prometheus file_sd JSON file; needs runs_root.",
+    )
 
     @field_validator("targets")
     @classmethod
@@ -60,6 +65,8 @@ class ScrapeConfig(_Durations):
     def _timeout_within_interval(self) -> ScrapeConfig:
         if self.timeout is not None and seconds(self.timeout) > seconds(self.interval):
             raise field_error("timeout", "must not exceed scrape.interval")
+        if self.file_sd_path is not None and self.runs_root is None:
+            raise field_error("file_sd_path", "needs scrape.runs_root")
         return self
 
 
@@ -162,6 +169,8 @@ def load_monitor_config(
     config._source_file = Path(path).resolve()
     if config.scrape.runs_root is not None:
         config.scrape.runs_root = base / config.scrape.runs_root
+    if config.scrape.file_sd_path is not None:
+        config.scrape.file_sd_path = base / config.scrape.file_sd_path
     return config
 
 

@@ -38,6 +38,7 @@ from lossguard.monitor.rules.ruleset import RuleSet, Schedule
 from lossguard.monitor.runs import RUN_METRICS, RunsView
 from lossguard.monitor.sources import Source
 from lossguard.monitor.sources.discovery import discover
+from lossguard.monitor.sources.file_sd import FileSdWriter
 from lossguard.monitor.sources.liveness import DeadRun
 from lossguard.monitor.sources.prometheus import PrometheusSource
 from lossguard.monitor.sources.scrape import ScrapeSource
@@ -75,6 +76,7 @@ class Monitor:
         )
         self._record(ended, set(stored) | set(self.ruleset.active()))
         self.source = self._make_source(groups)
+        self.file_sd = _file_sd_writer(config)
         integrations = build_integrations(
             config.notifications, secrets, external_url=config.rules.external_url
         )
@@ -150,6 +152,8 @@ class Monitor:
     def run(self) -> None:
         """Evaluate until stopped (SIGTERM/SIGINT, or :meth:`stop`)."""
         self.source.start()
+        if self.file_sd is not None:
+            self.file_sd.start()
         self.deliverer.start()
         self.actions.start()
         self.store.set_meta("listen_url", self.server.url)
@@ -393,9 +397,26 @@ class Monitor:
     def close(self) -> None:
         self.actions.stop()
         self.deliverer.stop()
+        if self.file_sd is not None:
+            self.file_sd.close()
         self.source.close()
         self.server.close()
         self.store.close()
+
+
+def _file_sd_writer(config: MonitorConfig) -> FileSdWriter | None:
+    """The ``scrape.file_sd_path`` writer (None: not configured); it looks at the runs as
+    often as the scraper does."""
+    scrape = config.scrape
+    if scrape.file_sd_path is None or scrape.runs_root is None:
+        return None
+    return FileSdWriter(
+        scrape.file_sd_path,
+        scrape.runs_root,
+        interval_s=seconds(scrape.interval),
+        forget_dead_after_s=seconds(scrape.forget_dead_runs_after),
+        job=scrape.job,
+    )
 
 
 def _kept_names(groups: list[RuleGroup]) -> frozenset[str] | None:

@@ -1,25 +1,30 @@
 """The supervisor under chaos, and a hung run restarted through the monitor, on CPU.
 
-    python -m tests.bench_supervisor [--only chaos|hang] [--kills 10] [--steps 600] [--keep DIR]
+    python -m tests.bench_supervisor [--only chaos|stalls] [--kills 10] [--steps 600] [--keep DIR]
 
 * chaos: the tiny GPT trained ``--steps`` steps uninterrupted, then again under
   ``lossguard-supervise`` while the training process is SIGKILLed ``--kills`` times at random
   moments (and the supervisor itself once, halfway, and started again). The final weights
   (sha256 of the model's tensors in the final checkpoint) must be bitwise identical; reports
   restarts, steps trained again, and the wall-time overhead against the uninterrupted run.
-* hang: a supervised run hits the ``hang`` fault; a monitor with the shipped rules (TrainingStalled:
-  no step for 300 s, for 5m, action restart) asks the supervisor to restart it. Reports the time
-  from the hang to the alert, to the restart, and to the first step trained again.
+* stalls: a supervised run hits the ``hang`` fault; a monitor with the shipped rules
+  (TrainingStalled: no step for 300 s, for 5m, action restart) asks the supervisor to restart
+  it. Reports the time from the hang to the alert, to the restart, and to the first step
+  trained again. Beside it, under the same monitor, a run paused for ``--pause`` seconds (600)
+  and one whose synchronous checkpoint save takes ``--save`` seconds (60): neither may fire
+  TrainingStalled or be restarted.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -32,11 +37,14 @@ from rich.console import Console
 from rich.table import Table
 
 from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, STATE_FILE, list_checkpoints
+from lossguard.common.control_client import ControlClient
 from lossguard.common.metrics_log import last_logged
+from lossguard.common.protocol import SOCKET_NAME
 from lossguard.common.supervisor_file import SupervisorInfo, pid_alive
 from tests.bench_recovery import fired_at, records, shipped_monitor
 from tests.conftest import (
     events,
+    step_records,
     stop_process,
     supervisor_argv,
     tiny_settings,
@@ -145,45 +153,77 @@ def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[st
     }
 
 
-def hang(work: Path, cache: Path) -> dict[str, float]:
+def stalls(work: Path, cache: Path, pause_s: float, save_s: float) -> dict[str, Any]:
+    """Three supervised runs under one monitor with the shipped rules: one hangs at step 200,
+    one is paused for ``pause_s``, one spends ``save_s`` in a synchronous checkpoint save.
+    Only the hung one may fire TrainingStalled or be restarted."""
     runs = work / "runs"
-    settings = tiny_settings(
-        runs,
-        cache,
-        run={"id": "hung"},
-        train={"max_steps": 10**6, "log_every": 5, "eval_every": 10**6},
-        faults=[{"kind": "hang", "step": 200, "once": True}],
-    )
-    settings["checkpoint"] = {"every": 50, "keep_last": 4}
-    run_dir = runs / "hung"
+    train = {"max_steps": 10**6, "log_every": 5, "eval_every": 10**6}
+    checkpoint = {"every": 50, "keep_last": 4}
+    faults = {
+        "hung": [{"kind": "hang", "step": 200, "once": True}],
+        "paused": [],
+        "saving": [{"kind": "slow_save", "step": 200, "seconds": save_s}],
+    }
+    supervisors = []
     with shipped_monitor(work, runs) as db:
-        config = write_config(work / "hung.yaml", settings)
-        supervisor = supervise(run_dir, config, "--kill-after", "10s")
         try:
-            fault = wait_for(lambda: first_event(run_dir, "fault"), 300, "the hang")
-            restart = wait_for(lambda: first_event(run_dir, "restart"), 1500, "the restart")
-            again = wait_for(
-                lambda: next(
-                    (
-                        r
-                        for r in records(run_dir)
-                        if r["kind"] == "train" and r["time"] > restart["time"]
-                    ),
-                    None,
-                ),
-                300,
-                "a step after the restart",
-            )
+            for run_id, run_faults in faults.items():
+                settings = tiny_settings(runs, cache, run={"id": run_id}, train=train)
+                settings.update(faults=run_faults, checkpoint=checkpoint)
+                if run_id == "saving":
+                    settings["checkpoint"] = {**checkpoint, "async": False}
+                config = write_config(work / f"{run_id}.yaml", settings)
+                supervisors.append(supervise(runs / run_id, config, "--kill-after", "10s"))
+            hung, paused = runs / "hung", runs / "paused"
+            wait_for(lambda: max(step_records(paused), default=0) >= 100, 300, "training")
+            with ControlClient(socket_path=paused / SOCKET_NAME, timeout=60) as client:
+                client.request("pause")
+            pause_began = time.time()
+            fault = wait_for(lambda: first_event(hung, "fault"), 300, "the hang")
+            restart = wait_for(lambda: first_event(hung, "restart"), 1500, "the restart")
+            again = wait_for(lambda: step_after(hung, restart["time"]), 300, "training again")
             fired = wait_for(lambda: fired_at(db, "TrainingStalled"), 10, "the alert")
+            wait_for(lambda: time.time() - pause_began >= pause_s, pause_s + 10, "the pause")
+            with ControlClient(socket_path=paused / SOCKET_NAME, timeout=60) as client:
+                client.request("resume")
+            wait_for(lambda: step_after(paused, time.time() - 1), 120, "the paused run again")
         finally:
-            stop_process(supervisor)
+            for supervisor in supervisors:
+                stop_process(supervisor)
+        stalled = alerted_runs(db, "TrainingStalled")
     return {
         "hang_step": fault["step"],
         "resumed_from": restart["resume_from"],
         "fired_s": fired - fault["time"],
         "restarted_s": restart["time"] - fault["time"],
         "training_s": again["time"] - fault["time"],
+        "stalled_runs": sorted(stalled),
+        "restarted_runs": sorted(r for r in faults if first_event(runs / r, "restart")),
+        "save_s": save_seconds(runs / "saving"),
+        "pause_s": pause_s,
     }
+
+
+def step_after(run_dir: Path, since: float) -> dict[str, Any] | None:
+    return next((r for r in records(run_dir) if r["kind"] == "train" and r["time"] > since), None)
+
+
+def save_seconds(run_dir: Path) -> float:
+    """The longest wait between two logged steps of the run (its slow save)."""
+    times = [r["time"] for r in records(run_dir) if r["kind"] == "train"]
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+
+def alerted_runs(db: Path, alertname: str) -> set[str]:
+    """The runs ``alertname`` went pending or firing for."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        rows = conn.execute(
+            "SELECT json_extract(labels, '$.run_id') FROM alert_events "
+            "WHERE json_extract(labels, '$.alertname') = ?",
+            (alertname,),
+        ).fetchall()
+    return {row[0] for row in rows}
 
 
 def first_event(run_dir: Path, kind: str) -> dict[str, Any] | None:
@@ -192,7 +232,9 @@ def first_event(run_dir: Path, kind: str) -> dict[str, Any] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("chaos", "hang"))
+    parser.add_argument("--only", choices=("chaos", "stalls"))
+    parser.add_argument("--pause", type=float, default=600, help="stalls: seconds paused")
+    parser.add_argument("--save", type=float, default=60, help="stalls: seconds of the slow save")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seed", type=int, default=1)
@@ -221,16 +263,10 @@ def main() -> None:
         )
         console.print(table)
         print(json.dumps({k: v for k, v in r.items() if k != "sha"}))
-    if args.only in (None, "hang"):
-        h = hang(work / "hang", cache)
+    if args.only in (None, "stalls"):
+        h = stalls(work / "stalls", cache, args.pause, args.save)
         table = Table(title="A hung run (shipped TrainingStalled: 300 s, for 5m; action restart)")
-        for column in (
-            "hang at step",
-            "alert fired",
-            "restarted",
-            "training again",
-            "resumed from",
-        ):
+        for column in ("hang at step", "alert fired", "restarted", "training again", "from"):
             table.add_column(column)
         table.add_row(
             str(h["hang_step"]),
@@ -240,6 +276,11 @@ def main() -> None:
             str(h["resumed_from"]),
         )
         console.print(table)
+        console.print(
+            f"beside it: a {h['pause_s']:.0f} s pause and a {h['save_s']:.0f} s checkpoint save; "
+            f"TrainingStalled pending or firing for {h['stalled_runs']}, "
+            f"restarted: {h['restarted_runs']}"
+        )
     console.print(f"runs kept in {work}" if args.keep else "")
 
 

@@ -13,7 +13,9 @@ import pytest
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
 from lossguard.monitor.actions.endpoints import Endpoints
+from lossguard.monitor.actions.engine import Actions
 from lossguard.monitor.actions.exhausted import ExhaustedPages
+from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionAlert, ActionRecord
 from lossguard.monitor.actions.next_steps import next_steps
 from lossguard.monitor.actions.planner import ActionPlanner
@@ -21,7 +23,7 @@ from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.actions.runner import ActionRunner
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.silences import SilenceStore
-from lossguard.monitor.rules.alerting import fingerprint
+from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
 from lossguard.monitor.state import StateStore
 
 T0 = 1_700_000_000.0
@@ -332,3 +334,37 @@ def test_actions_are_read_inside_a_transaction_of_the_same_thread(tmp_path: Path
     store = ActionStore(state)
     with state.transaction():
         assert store.of_alert("f") == []
+
+
+@pytest.mark.parametrize(
+    ("triggers", "acted_on"),
+    [
+        (["rules", "alertmanager"], ["rules", "alertmanager"]),
+        (["alertmanager"], ["alertmanager"]),
+        (["rules"], ["rules"]),
+    ],
+)
+def test_triggers_choose_whose_alerts_start_actions(
+    tmp_path: Path, triggers: list[str], acted_on: list[str]
+) -> None:
+    config = ActionsConfig.model_validate({"triggers": triggers, "dry_run": True})
+    state = StateStore(tmp_path / "state.db")
+    actions = Actions(
+        config,
+        state,
+        SilenceStore(state),
+        runs_root=None,
+        observe=lambda *_: None,
+        on_done=lambda _: None,
+    )
+    from_rules = alert(run="by-rules")
+    rule_alert = Alert(
+        "LossNonFinite", from_rules.fingerprint, from_rules.labels, {}, AlertState.FIRING, 1.0, T0
+    )
+    labels = alert(run="by-alertmanager").labels
+    actions.receive([IncomingAlert("firing", labels, {}, T0, None, "", "")], T0)
+    actions.step([rule_alert], T0 + 1)
+    runs = {r.run_id for r in ActionStore(state).of_run("by-rules", 0)} | {
+        r.run_id for r in ActionStore(state).of_run("by-alertmanager", 0)
+    }
+    assert runs == {f"by-{source}" for source in acted_on}

@@ -1,12 +1,17 @@
 """Fault injection's replay semantics: a fault comes back whenever a rollback replays its
-steps, unless it is marked ``once`` (a transient fault)."""
+steps, unless it is marked ``once`` (a transient fault); a slow save holds a checkpoint."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from lossguard.agent.config import FaultConfig
 from lossguard.agent.train.faults import FaultInjector
+from tests.conftest import run_cli, tiny_settings, write_config
 
 
 def test_a_once_fault_spares_the_replay_and_a_plain_one_recurs() -> None:
@@ -40,3 +45,26 @@ def test_a_once_fault_spares_the_replay_and_a_plain_one_recurs() -> None:
     loss = torch.tensor(1.0)
     injector.before_step(8)
     assert torch.equal(injector.loss(loss), loss)
+
+
+def test_slow_save_holds_a_synchronous_checkpoint_and_only_it(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    settings = tiny_settings(
+        tmp_path / "runs",
+        corpus_cache,
+        train={"max_steps": 30, "log_every": 1, "eval_every": 1000},
+        checkpoint={"every": 10, "async": False},
+        faults=[{"kind": "slow_save", "step": 20, "seconds": 2.0}],
+    )
+    done = run_cli("run", str(write_config(tmp_path / "c.yaml", settings)), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    times = {r["step"]: r["time"] for r in step_records_with_time(tmp_path / "runs/tiny")}
+    assert times[21] - times[20] >= 2.0  # the save of step 20 held the loop
+    assert times[11] - times[10] < 2.0  # the save of step 10 did not
+    assert (tmp_path / "runs/tiny/checkpoints/step_00000020/meta.json").exists()
+
+
+def step_records_with_time(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]

@@ -18,7 +18,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from lossguard.common.control_client import ControlClient
 from lossguard.common.supervisor_file import SupervisorInfo, pid_alive
 from lossguard.monitor.supervisor.budget import RestartBudget
-from tests.conftest import events, stop_process, supervisor_argv, wait_for
+from lossguard.monitor.supervisor.resume import ResumePlanner, step_reached
+from tests.conftest import (
+    events,
+    run_cli,
+    stop_process,
+    supervisor_argv,
+    tiny_settings,
+    wait_for,
+    write_config,
+)
 
 # A stand-in training command: counts its starts in starts.txt, records the checkpoint it was
 # told to resume from, then behaves as the file behaviour.txt says: "exit N" (after writing a
@@ -265,3 +274,33 @@ def test_env_of_a_start_names_no_stale_resume(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert starts(run_dir) == ["-"]
     assert json.loads((run_dir / "supervisor.json").read_text())["state"] == "exited"
+
+
+def test_a_crash_again_at_the_same_step_resumes_from_an_earlier_checkpoint(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    settings = tiny_settings(
+        tmp_path / "runs",
+        corpus_cache,
+        train={"max_steps": 40, "log_every": 1, "eval_every": 1000},
+        checkpoint={"every": 10, "keep_last": 100},
+        telemetry={"spikes": {"zscore": 1000.0}},  # every checkpoint healthy
+    )
+    done = run_cli("run", str(write_config(tmp_path / "c.yaml", settings)), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    run_dir = tmp_path / "runs/tiny"
+    assert step_reached(run_dir) == 40
+    planner = ResumePlanner(run_dir)
+    chosen = []
+    for crash_step in (45, 45, 45, 45, 47, 47):
+        planner.crashed(crash_step)
+        meta = planner.choose()
+        chosen.append(meta.name if meta else None)
+    assert chosen == [
+        "step_00000040",  # the newest healthy one
+        "step_00000030",  # the same step again: before the one resumed from
+        "step_00000020",
+        "step_00000010",
+        "step_00000040",  # a crash elsewhere: the newest again
+        "step_00000030",
+    ]

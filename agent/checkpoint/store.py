@@ -79,6 +79,8 @@ class CheckpointStore:
         self._submit = threading.Lock()  # one save in flight
         self._pinned: set[str] = set()
         self._writer: threading.Thread | None = None
+        self.write_delay_s = 0.0
+        """Seconds added to each write (the ``slow_save`` fault drill: a slow filesystem)."""
         self.root.mkdir(parents=True, exist_ok=True)
         for entry in self.root.iterdir():
             if entry.name.startswith(_HIDDEN_PREFIXES):
@@ -290,6 +292,8 @@ class CheckpointStore:
         tmp.mkdir()
         try:
             write_synced(tmp / STATE_FILE, lambda fh: torch.save(payload, fh))
+            if self.write_delay_s:
+                time.sleep(self.write_delay_s)
             files = {STATE_FILE: sha256_file(tmp / STATE_FILE)}
             meta = CheckpointMeta(
                 seq=seq,

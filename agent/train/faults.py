@@ -68,6 +68,11 @@ class FaultInjector:
         if stall := self.active.get("slow_step"):
             time.sleep(stall.seconds)
 
+    def save_delay(self) -> float:
+        """Seconds a checkpoint written during this step takes longer (``slow_save``)."""
+        stall = self.active.get("slow_save")
+        return stall.seconds if stall else 0.0
+
     def batches(self, batches: list[Batch]) -> list[Batch]:
         """The step's batches; uniform random tokens instead during ``corrupt_batch``."""
         if "corrupt_batch" not in self.active:

@@ -229,6 +229,8 @@ class Trainer:
     def train_step(self) -> None:
         """One optimizer step over ``grad_accum`` micro-batches, through the fault hooks."""
         self.faults.before_step(self.guard.step + 1)
+        if self.guard.checkpoints is not None:
+            self.guard.checkpoints.write_delay_s = self.faults.save_delay()
         batches = self.faults.batches(self.sampler.next_step())
         with self.faults.forward():
             step_loss = self._forward_backward(batches)

@@ -79,7 +79,9 @@ class Actions:
                 value=a.value,
             )
             for a in rule_alerts
-            if a.state is AlertState.FIRING and ACTION_LABEL in a.labels
+            if a.state is AlertState.FIRING
+            and ACTION_LABEL in a.labels
+            and "rules" in self.config.triggers
         ]
         with self._lock:
             self._external = {k: v for k, v in self._external.items() if v[1] > now}
@@ -95,7 +97,10 @@ class Actions:
 
     def receive(self, alerts: list[IncomingAlert], now: float) -> None:
         """Take alerts from Alertmanager's webhook: the firing ones with an action label join
-        the next decision; resolved ones leave."""
+        the next decision; resolved ones leave (all are ignored unless ``alertmanager`` is one
+        of the configured triggers)."""
+        if "alertmanager" not in self.config.triggers:
+            return
         with self._lock:
             for incoming in alerts:
                 if ACTION_LABEL not in incoming.labels:

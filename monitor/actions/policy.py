@@ -27,6 +27,8 @@ COMMAND_OF = {
 }
 """The control command each action sends (``restart`` goes to the run's supervisor)."""
 SUPERVISOR_ACTIONS = ("restart",)
+Trigger = Literal["rules", "alertmanager"]
+TRIGGERS: tuple[Trigger, ...] = ("rules", "alertmanager")
 HOST_PORT = re.compile(r"^[^:\s]+:\d{1,5}$")
 
 
@@ -94,6 +96,13 @@ class ActionsConfig(Section):
     enabled: bool = Field(default=True, description="Act on alerts with an action label.")
     dry_run: bool = Field(
         default=False, description="Announce and record what would be done; send nothing."
+    )
+    triggers: list[Trigger] = Field(
+        default_factory=lambda: list(TRIGGERS),
+        min_length=1,
+        description="Whose alerts start actions: the monitor's own rules, Alertmanager's "
+        "webhook, or both. Where Prometheus and the monitor evaluate the same rules, keep one, "
+        "so that one divergence is one action.",
     )
     timeout: str = Field(
         default="2m", description="Wait this long for the agent to apply a command."

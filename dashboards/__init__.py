@@ -1,0 +1,1 @@
+"""lossguard's Grafana dashboards as code: ``python -m dashboards.build``."""
