@@ -106,6 +106,7 @@ class MonitorMetrics:
         self.actions = self.metric(Counter, "actions")
         self.run_exited = self.metric(Gauge, RUN_EXITED)
         self._seen_alerts: set[tuple[str, str]] = set()
+        self._seen_rules: set[str] = set()
         self._seen_targets: set[str] = set()
         self._seen_exits: set[tuple[str, ...]] = set()
 
@@ -130,6 +131,15 @@ class MonitorMetrics:
         for (name, state), count in counts.items():
             self.alerts.labels(name, state).set(count)
         self._seen_alerts = set(counts)
+        # every loaded rule's failure counter exists from the start, at 0, so that increase()
+        # sees its first failure and a dashboard has a series without one; a rule no longer
+        # loaded loses it
+        names = {name for name, _ in counts}
+        for name in self._seen_rules - names:
+            self.evaluation_failures.remove(name)
+        for name in names - self._seen_rules:
+            self.evaluation_failures.labels(name)
+        self._seen_rules = names
 
     def notified(self, notification: Notification, result: str) -> None:
         self.notifications.labels(notification.receiver, notification.integration, result).inc()
