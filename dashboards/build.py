@@ -28,6 +28,10 @@ Steps = Sequence[tuple[float | None, str]]
 
 # Threshold steps: (from value, colour); the first starts at -Infinity (None).
 NEUTRAL: Steps = [(None, "green")]
+# what an empty panel that only some runs fill says instead of "No data"
+FP8_ONLY = "No FP8 run selected (precision.dtype: fp8)"
+FP16_ONLY = "No fp16 run selected (precision.dtype: fp16)"
+GPU_ONLY = "No GPU: NVML metrics come from CUDA runs"
 COUNT_BAD: Steps = [(None, "green"), (1, "red")]
 ZSCORE: Steps = [(None, "green"), (3, "yellow"), (6, "red")]  # agent default spike k = 6
 FRACTION_HIGH_BAD: Steps = [(None, "green"), (0.85, "yellow"), (0.95, "red")]
@@ -69,8 +73,10 @@ def graph(
     steps: Steps = NEUTRAL,
     width: int = 12,
     bars: bool = False,
+    no_value: str | None = None,
 ) -> timeseries.Panel:
-    """A time series panel; threshold lines are drawn when there is more than one step."""
+    """A time series panel; threshold lines are drawn when there is more than one step;
+    ``no_value`` says why a panel that only some runs fill is empty."""
     panel = (
         timeseries.Panel()
         .title(title)
@@ -90,6 +96,8 @@ def graph(
         )
     if bars:
         panel = panel.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(80)
+    if no_value:
+        panel = panel.no_value(no_value)
     return panel
 
 
@@ -392,6 +400,7 @@ def run_dashboard() -> db.Dashboard:
                 "short",
                 [(f"min by (run_id) (lossguard_amp_loss_scale{{{SEL}}})", by_run)],
                 width=8,
+                no_value=FP16_ONLY,
             )
         )
         .with_panel(
@@ -406,6 +415,7 @@ def run_dashboard() -> db.Dashboard:
                     )
                 ],
                 width=8,
+                no_value=FP8_ONLY,
             )
         )
         .with_panel(
@@ -426,6 +436,7 @@ def run_dashboard() -> db.Dashboard:
                 ],
                 FP8_RATIO,
                 width=8,
+                no_value=FP8_ONLY,
             )
         )
         .with_row(db.Row("Throughput and efficiency"))
@@ -497,6 +508,7 @@ def run_dashboard() -> db.Dashboard:
                 [(f"lossguard_gpu_utilization_ratio{{{SEL}}}", "{{run_id}} r{{rank}}")],
                 UTIL_LOW_BAD,
                 width=6,
+                no_value=GPU_ONLY,
             )
         )
         .with_panel(
@@ -510,6 +522,7 @@ def run_dashboard() -> db.Dashboard:
                 ],
                 TEMPERATURE,
                 width=6,
+                no_value=GPU_ONLY,
             ).override_by_regexp(
                 ".*°C$",
                 [
