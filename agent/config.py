@@ -172,6 +172,16 @@ class Fp8HealthConfig(Section):
     every: int = Field(default=100, ge=1, description="Sample FP8 amax/overflow every K steps.")
 
 
+class Fp8FidelityConfig(Section):
+    enabled: bool = Field(
+        default=False, description="Check FP8 gradients against a high-precision shadow model."
+    )
+    every: int = Field(default=1000, ge=1, description="Check every K steps.")
+    dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32", description="The shadow's precision: fp32, or bf16 autocast."
+    )
+
+
 class GradDiagnosticsConfig(Section):
     enabled: bool = False
     every: int = Field(default=100, ge=1, description="Sample every K steps.")
@@ -196,6 +206,7 @@ class TelemetryConfig(Section):
     )
     spikes: SpikeConfig = Field(default_factory=SpikeConfig)
     fp8: Fp8HealthConfig = Field(default_factory=Fp8HealthConfig)
+    fp8_fidelity: Fp8FidelityConfig = Field(default_factory=Fp8FidelityConfig)
     grad_diagnostics: GradDiagnosticsConfig = Field(default_factory=GradDiagnosticsConfig)
 
 
@@ -215,6 +226,7 @@ FaultKind = Literal[
     "nonfinite_loss",
     "corrupt_batch",
     "scale_activations",
+    "activation_outlier",
     "slow_step",
     "slow_save",
     "hang",
@@ -250,6 +262,16 @@ class Config(Section):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     faults: list[FaultConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _fidelity_needs_fp8(self) -> Config:
+        if self.telemetry.fp8_fidelity.enabled and self.precision.dtype != "fp8":
+            raise field_error(
+                "telemetry.fp8_fidelity.enabled",
+                f"needs precision.dtype fp8 (not {self.precision.dtype}): the check compares "
+                "the FP8 layers with a high-precision copy",
+            )
+        return self
 
     def resolved(self) -> dict[str, Any]:
         """Plain data, as written to ``config.yaml`` in the run directory."""

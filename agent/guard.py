@@ -59,6 +59,7 @@ from lossguard.agent.telemetry.collector import (
     skips_on_device,
 )
 from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
+from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.progress import make_progress
@@ -259,6 +260,7 @@ class Guard:
         self.signals.install()
         if target is not None:
             self._resume(target, skip_batches, str(source))
+        self._before_next_step()
 
     def _on_main(self, work: Callable[[], T]) -> T:
         """Run ``work`` on rank 0; every rank returns its result or raises its exception."""
@@ -411,13 +413,20 @@ class Guard:
         if saved is not None:
             obj.load_state_dict(saved)
 
-    def after_backward(self, loss: torch.Tensor, *, tokens: int) -> torch.Tensor:
+    def after_backward(
+        self, loss: torch.Tensor, *, tokens: int, replay: Replay | None = None
+    ) -> torch.Tensor:
         """Record the step's loss and tokens; compute the gradient norm and clip to
-        ``grad_clip`` if given. Returns the pre-clip norm as a device tensor; nothing is synced."""
+        ``grad_clip`` if given. Returns the pre-clip norm as a device tensor; nothing is synced.
+
+        ``replay``, for the FP8 fidelity check (``telemetry.fp8_fidelity``): a function that
+        runs this step's forward and backward again, on the same batches, through the module
+        it is given (the high-precision shadow), and returns the loss as passed here. It is
+        called on check steps only, before clipping."""
         if self.scaler is not None and self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
-        if self.telemetry is not None:  # sampled steps only: FP8 health, gradient diagnostics
-            for record in self.telemetry.collect_samples(self.step + 1):
+        if self.telemetry is not None:  # sampled steps only: FP8 health and fidelity, gradients
+            for record in self.telemetry.collect_samples(self.step + 1, loss, replay):
                 self._emit(record, display=False)
         if self.grad_clip is not None:
             norm = nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=True)
@@ -444,7 +453,7 @@ class Guard:
         self.interval.step_done()
         if self.telemetry is not None:
             self.telemetry.step_done(self.step)
-            self.telemetry.sampling(self.step + 1)
+        self._before_next_step()
         if self.step % self.log_every == 0 or self.step == self.max_steps:
             self._log_interval()
         every = self.config.checkpoint.every
@@ -468,7 +477,14 @@ class Guard:
             for request, pending in commands:
                 self.commands.apply(request, pending)
             if not self.paused or self.stop_requested:
-                return
+                break
+        self._before_next_step()  # a restore may have moved the step and the RNG states
+
+    def _before_next_step(self) -> None:
+        """Arm the samplers of the coming step (at each call that may come last before its
+        forward: start, end_step, poll)."""
+        if self.telemetry is not None:
+            self.telemetry.sampling(self.step + 1)
 
     def record_eval(self, val_loss: float, **extra: float) -> None:
         """Log a validation result (already reduced over ranks) at the current step."""

@@ -55,6 +55,17 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "fp8_amax": ("gauge", "FP8 amax, worst Float8Linear layer.", ("tensor",)),
     "fp8_overflow_ratio": ("gauge", "Fraction saturating in FP8, worst layer.", ("tensor",)),
     "fp8_underflow_ratio": ("gauge", "Fraction flushed to zero in FP8, worst layer.", ("tensor",)),
+    "fp8_fidelity_min_grad_cosine": (
+        "gauge",
+        "Lowest per-layer cosine of FP8 and high-precision gradients, last check.",
+        ("layer",),
+    ),
+    "fp8_fidelity_loss_rel_error": (
+        "gauge",
+        "Relative error of the FP8 loss against the high-precision loss, last check.",
+        (),
+    ),
+    "fp8_fidelity_checks": ("counter", "FP8 fidelity checks run.", ()),
     "device_memory_bytes": ("gauge", "Device memory (host RSS on CPU).", ("kind",)),
     "device_memory_limit_bytes": ("gauge", "Device memory capacity.", ()),
     "memory_alloc_retries": ("counter", "CUDA allocator retries after a failed allocation.", ()),

@@ -30,12 +30,14 @@ Steps = Sequence[tuple[float | None, str]]
 NEUTRAL: Steps = [(None, "green")]
 # what an empty panel that only some runs fill says instead of "No data"
 FP8_ONLY = "No FP8 run selected (precision.dtype: fp8)"
+FIDELITY_ONLY = "No FP8 run with the fidelity check selected (telemetry.fp8_fidelity)"
 FP16_ONLY = "No fp16 run selected (precision.dtype: fp16)"
 GPU_ONLY = "No GPU: NVML metrics come from CUDA runs"
 COUNT_BAD: Steps = [(None, "green"), (1, "red")]
 ZSCORE: Steps = [(None, "green"), (3, "yellow"), (6, "red")]  # agent default spike k = 6
 FRACTION_HIGH_BAD: Steps = [(None, "green"), (0.85, "yellow"), (0.95, "red")]
 FP8_RATIO: Steps = [(None, "green"), (0.001, "yellow"), (0.01, "red")]
+FIDELITY: Steps = [(None, "red"), (0.9, "yellow"), (0.99, "green")]  # FP8FidelityLow: < 0.9
 UTIL_LOW_BAD: Steps = [(None, "red"), (0.3, "yellow"), (0.6, "green")]
 TEMPERATURE: Steps = [(None, "green"), (80, "yellow"), (90, "red")]
 
@@ -437,6 +439,35 @@ def run_dashboard() -> db.Dashboard:
                 FP8_RATIO,
                 width=8,
                 no_value=FP8_ONLY,
+            )
+        )
+        .with_panel(
+            graph(
+                "FP8 fidelity (worst layer gradient cosine)",
+                "The sampled FP8 fidelity check (telemetry.fp8_fidelity): cosine similarity of "
+                "the FP8 and high-precision gradients in the worst layer (named in the legend), "
+                "lowest over ranks; below 0.9 FP8FidelityLow fires. Right axis: relative error "
+                "of the FP8 loss. Each value holds until the next check.",
+                "none",
+                [
+                    (
+                        f"min by (run_id, layer) (lossguard_fp8_fidelity_min_grad_cosine{{{SEL}}})",
+                        "{{run_id}} {{layer}}",
+                    ),
+                    (
+                        f"max by (run_id) (lossguard_fp8_fidelity_loss_rel_error{{{SEL}}})",
+                        "{{run_id}} loss rel error",
+                    ),
+                ],
+                FIDELITY,
+                width=8,
+                no_value=FIDELITY_ONLY,
+            ).override_by_regexp(
+                ".*loss rel error$",
+                [
+                    dm.DynamicConfigValue(id_val="unit", value="percentunit"),
+                    dm.DynamicConfigValue(id_val="custom.axisPlacement", value="right"),
+                ],
             )
         )
         .with_row(db.Row("Throughput and efficiency"))

@@ -1,5 +1,5 @@
 """``lossguard-monitor``: run the monitor daemon; check and unit-test rule files; manage
-silences; show the monitor's status."""
+silences; show the monitor's status; write a run's report; run the demo."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lossguard.common.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_override_option
@@ -53,7 +54,40 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="targets, firing alerts, silences, outbox, dead letters")
     status.add_argument("--config", required=True, help="monitor.yml")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    _demo_parser(sub)
+    report = sub.add_parser("report", help="a run's plots and audit trail as HTML and PNG")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (runs/<run_id>)")
+    report.add_argument("--out", default=None, metavar="DIR", help="default: RUN_DIR")
+    report.add_argument(
+        "--state", default=None, metavar="PATH", help="monitor state database: alerts, actions"
+    )
     return parser
+
+
+def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="the whole story on CPU: a tiny GPT diverges, the monitor pages and rolls it back",
+    )
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="the run is stopped at its first evaluation from this step once it has been "
+        "rolled back; the fault comes at a third of it (default 300)",
+    )
+    demo.add_argument(
+        "--fault",
+        choices=("lr", "nan"),
+        default="lr",
+        help="lr: the learning rate x1000 (LossSpikeNotRecovering, about 2 minutes); "
+        "nan: a NaN loss (LossNonFinite, within seconds)",
+    )
+    demo.add_argument("--plain", action="store_true", help="plain lines, no live view")
+    demo.add_argument(
+        "--out", type=Path, default=None, help="a new folder (default: runs/demo-<time>)"
+    )
+    add_override_option(demo, "model.n_layer=2 (the agent's config)")
 
 
 def _silence_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -216,6 +250,21 @@ def status(config_path: str, as_json: bool) -> int:
     return EXIT_OK if report["monitor"]["reachable"] else EXIT_FAILED
 
 
+def report(args: argparse.Namespace) -> int:
+    """``report RUN_DIR``: write report.html and report.png, print their paths."""
+    from lossguard.monitor.report import ReportError, write_report
+
+    out = None if args.out is None else Path(args.out)
+    state = None if args.state is None else Path(args.state)
+    try:
+        files = write_report(Path(args.run_dir), out, state_db=state)
+    except ReportError as exc:
+        raise ConfigError(str(exc)) from None
+    print(files.html)
+    print(files.png)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -228,6 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return outbox(args)
         if args.command == "status":
             return status(args.config, args.json)
+        if args.command == "report":
+            return report(args)
+        if args.command == "demo":
+            from lossguard.monitor.demo.runner import DemoOptions, run_demo
+
+            options = DemoOptions(
+                args.steps, args.fault, args.plain, args.out, tuple(args.overrides)
+            )
+            return run_demo(options)
         if args.rules_command == "check":
             return check_rules(args.files)
         from lossguard.monitor.rules.ruletest import run_test_files

@@ -19,4 +19,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 # strict editable mode: a static link tree that mypy and other tools can follow
-pip install -e ".[agent,wandb,dev]" --config-settings editable_mode=strict
+pip install -e ".[agent,wandb,huggingface,lightning,dev]" --config-settings editable_mode=strict

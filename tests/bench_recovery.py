@@ -26,13 +26,13 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from lossguard.monitor.demo.recovery import Recovery, first_rollback, measure
 from tests.alert_stack import MONITOR_WEBHOOK_PATH, alert_stack
 from tests.conftest import (
     REPO,
@@ -49,19 +49,6 @@ from tests.conftest import (
 
 SHIPPED_RULES = REPO / "alerts" / "lossguard.rules.yml"
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """One fault and what the monitor made of it, in wall time from the bad step."""
-
-    path: str
-    bad_step: int
-    from_step: int  # the step the run had reached when the rollback was applied
-    to_step: int
-    detected_s: float  # bad step started -> the alert fired (or reached the monitor)
-    applied_s: float  # -> the rollback applied by the agent
-    recovered_s: float  # -> the first step trained after the restored checkpoint
 
 
 def agent_settings(
@@ -85,34 +72,15 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def first_rollback(run_dir: Path) -> dict[str, Any] | None:
-    return next((e for e in events(run_dir) if e.get("event") == "rollback"), None)
-
-
-def recovery(path: str, run_dir: Path, fired_at: float) -> Recovery:
-    """The measurement, once the run trained a step after its first rollback."""
-    fault = next(
-        e for e in events(run_dir) if e.get("event") == "fault" and e["kind"] != "slow_step"
-    )
-    rollback = wait_for(lambda: first_rollback(run_dir), 5, "the rollback event")
-    resumed = wait_for(
-        lambda: next(
-            (r for r in records(run_dir) if r["kind"] == "train" and r["time"] > rollback["time"]),
-            None,
-        ),
+def recovery(path: str, run_dir: Path, fired_at: float) -> tuple[str, Recovery]:
+    """The measurement (labelled ``path``), once the run trained a step after its first
+    rollback."""
+    found = wait_for(
+        lambda: measure(events(run_dir), records(run_dir), fired_at),
         60,
         "a step after the rollback",
     )
-    bad_at = fault["time"]
-    return Recovery(
-        path=path,
-        bad_step=fault["step"],
-        from_step=rollback["from_step"],
-        to_step=rollback["to_step"],
-        detected_s=fired_at - bad_at,
-        applied_s=rollback["time"] - bad_at,
-        recovered_s=resumed["time"] - bad_at,
-    )
+    return path, found
 
 
 def fired_at(db: Path, alertname: str) -> float | None:
@@ -192,17 +160,17 @@ def shipped_monitor(work: Path, runs: Path) -> Iterator[Path]:
         stop_process(monitor_process)
 
 
-def detection(work: Path, cache: Path) -> Recovery:
+def detection(work: Path, cache: Path) -> tuple[str, Recovery]:
     """A transient NaN, the monitor at 1 s scrape and evaluation with the shipped rules."""
     with monitored_agent(
         work, cache, "detect", DETECTION_FAULTS, DETECTION_TRAIN, checkpoint_every=500
     ) as (run_dir, db, _):
-        wait_for(lambda: first_rollback(run_dir), 300, "the rollback")
+        wait_for(lambda: first_rollback(events(run_dir)), 300, "the rollback")
         fired = wait_for(lambda: fired_at(db, "LossNonFinite"), 10, "the firing alert")
         return recovery("embedded (1 s scrape, 1 s evaluation)", run_dir, fired)
 
 
-def via_alertmanager(work: Path, cache: Path) -> Recovery:
+def via_alertmanager(work: Path, cache: Path) -> tuple[str, Recovery]:
     """The same NaN through Prometheus (scrape and evaluation every 5 s, the shipped rules)
     and Alertmanager (the shipped actions route: group_wait 0s) to the monitor's webhook; the
     monitor's own rule never fires."""
@@ -236,7 +204,7 @@ def via_alertmanager(work: Path, cache: Path) -> Recovery:
             agent = start_agent(write_config(work / "viaam.yaml", settings))
             try:
                 run_dir = runs / "viaam"
-                wait_for(lambda: first_rollback(run_dir), 300, "the rollback")
+                wait_for(lambda: first_rollback(events(run_dir)), 300, "the rollback")
                 received = wait_for(lambda: action_created_at(work / "state.db"), 10, "action")
                 return recovery(
                     "Prometheus + Alertmanager (5 s scrape and evaluation, group_wait 0s)",
@@ -303,9 +271,9 @@ def main() -> None:
         table = Table(title="Detection to recovery (wall time from the bad step)")
         for column in ("path", "bad step", "rolled back", "detected", "applied", "training again"):
             table.add_column(column)
-        for r in found:
+        for path, r in found:
             table.add_row(
-                r.path,
+                path,
                 str(r.bad_step),
                 f"{r.from_step} -> {r.to_step}",
                 f"{r.detected_s:.2f} s",

@@ -7,7 +7,8 @@ Prometheus with ``deploy/prometheus.yml`` laid out as in the container, Alertman
   restarts it from a checkpoint) and later sees a NaN loss, which Prometheus's LossNonFinite
   sends through Alertmanager to the monitor's webhook, and the monitor rolls it back;
 * ``fp16`` (GradScaler on CPU) with a learning-rate divergence, so the spike detectors fire;
-* ``fp8`` (torchao Float8Linear, emulated on CPU) with FP8 health sampling.
+* ``fp8`` (torchao Float8Linear, emulated on CPU) with FP8 health sampling and the FP8
+  fidelity check.
 
 Then every query of every dashboard panel, template variable and annotation is evaluated
 against the live Prometheus and must return data, every ``lossguard_*`` metric named by a
@@ -239,7 +240,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
             corpus_cache,
             "fp8",
             precision={"dtype": "fp8"},
-            telemetry={"host": "127.0.0.1", "port": 0, "fp8": {"every": 2}},
+            telemetry={
+                "host": "127.0.0.1",
+                "port": 0,
+                "fp8": {"every": 2},
+                "fp8_fidelity": {"enabled": True, "every": 2},
+            },
         ),
     }
     configs = {name: write_config(tmp / f"{name}.yaml", s) for name, s in settings.items()}

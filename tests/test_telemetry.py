@@ -73,7 +73,11 @@ def test_live_scrape_has_every_catalogue_metric_and_promtool_is_clean(
         precision={"dtype": "fp8"},
         train={"max_steps": 12, "log_every": 4, "eval_every": 6},
         checkpoint={"every": 4},
-        telemetry={"fp8": {"every": 2}, "grad_diagnostics": {"enabled": True, "every": 2}},
+        telemetry={
+            "fp8": {"every": 2},
+            "fp8_fidelity": {"enabled": True, "every": 6},
+            "grad_diagnostics": {"enabled": True, "every": 2},
+        },
     )
     trainer = Trainer(cfg, progress=False)
     try:
@@ -157,8 +161,10 @@ def test_lr_fault_makes_a_detected_spike_that_recovers(tmp_path: Path, corpus_ca
     assert diagnosis["causes"]
 
 
-def test_clean_run_reports_no_spike_over_1000_steps(tmp_path: Path, corpus_cache: Path) -> None:
-    cfg = config(tmp_path, corpus_cache, train={"max_steps": 1000, **SPIKE_RUN})
+def test_clean_run_reports_no_spike_over_500_steps(tmp_path: Path, corpus_cache: Path) -> None:
+    # 500 steps: the detectors judge ~470 of them, past a full window; the 1000-step soak is the
+    # same run with train.max_steps=1000 (the suite keeps to its time budget)
+    cfg = config(tmp_path, corpus_cache, train={"max_steps": 500, **SPIKE_RUN})
     trainer, text = train_and_scrape(cfg)
     assert all(v == 0 for _, v in samples(text)["lossguard_spikes_total"])
     assert all(not r["loss_spike_active"] for r in records(trainer.run_path, "train"))

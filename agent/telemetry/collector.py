@@ -2,8 +2,8 @@
 
 Per step: spike and non-finite detection on the device (no sync) and three host-side metric
 updates (step, heartbeat, step time). Per log interval: the detector statistics join Guard's
-one host sync, then every gauge is published. Sampled steps: FP8 health and gradient
-diagnostics. Reads never wait on the device except at those points.
+one host sync, then every gauge is published. Sampled steps: FP8 health, the FP8 fidelity check
+and gradient diagnostics. Reads never wait on the device except at those points.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from lossguard.agent.config import Config
 from lossguard.agent.distributed import all_gather_objects
 from lossguard.agent.rundir import git_commit
 from lossguard.agent.telemetry.exporter import Exporter
+from lossguard.agent.telemetry.fp8_fidelity import Fp8Fidelity, Replay
 from lossguard.agent.telemetry.fp8_health import TENSORS as FP8_TENSORS
 from lossguard.agent.telemetry.fp8_health import Fp8Health
 from lossguard.agent.telemetry.grad_diagnostics import GradDiagnostics
@@ -112,6 +113,11 @@ class Telemetry:
             log.warning("FP8 health sampling needs an eager model: off under model.compile")
         elif precision == "fp8":
             self.fp8 = Fp8Health(model, config.precision.fp8_recipe)
+        fidelity = cfg.fp8_fidelity
+        on = fidelity.enabled and precision == "fp8"
+        self.fidelity = Fp8Fidelity(model, fidelity.dtype) if on else None
+        self._fidelity_layer: str | None = None
+        self._warned_no_replay = False
         diagnostics = cfg.grad_diagnostics
         self.grads = GradDiagnostics(model, diagnostics) if diagnostics.enabled else None
         self._exported_totals: dict[str, float] = {}
@@ -142,18 +148,29 @@ class Telemetry:
         self.metrics.set("last_step_timestamp_seconds", time.time())
 
     def sampling(self, next_step: int) -> None:
-        """Arm the FP8 sampler before the forward of a sampled step."""
-        if self.fp8 is not None and next_step % self.config.telemetry.fp8.every == 0:
+        """Before the forward of a sampled step: arm the FP8 sampler, and take the RNG states
+        for an FP8 fidelity check (again at each call: a restore in between moves them)."""
+        telemetry = self.config.telemetry
+        if self.fp8 is not None and next_step % telemetry.fp8.every == 0:
             self.fp8.arm()
+        if self.fidelity is not None and next_step % telemetry.fp8_fidelity.every == 0:
+            self.fidelity.arm()
 
-    def collect_samples(self, step: int) -> list[dict[str, Any]]:
-        """After backward on a sampled step: FP8 health and gradient diagnostics records."""
+    def collect_samples(
+        self, step: int, loss: torch.Tensor, replay: Replay | None = None
+    ) -> list[dict[str, Any]]:
+        """After backward on a sampled step: FP8 health, FP8 fidelity (when given ``replay``)
+        and gradient diagnostics records."""
         records = []
         if self.fp8 is not None:
             health = self.fp8.collect()
             if health is not None:
                 self._publish_fp8(health)
                 records.append({"kind": "fp8", "step": step, **health})
+        if self.fidelity is not None and self.fidelity.armed:
+            fidelity = self._check_fidelity(loss, replay)
+            if fidelity is not None:
+                records.append({"kind": "fp8_fidelity", "step": step, **fidelity})
         grads_every = self.config.telemetry.grad_diagnostics.every
         if self.grads is not None and step % grads_every == 0:
             diagnostics = self.grads.collect()
@@ -263,6 +280,31 @@ class Telemetry:
             self.metrics.set("fp8_amax", worst["amax"], tensor=tensor)
             self.metrics.set("fp8_overflow_ratio", worst["overflow"], tensor=tensor)
             self.metrics.set("fp8_underflow_ratio", worst["underflow"], tensor=tensor)
+
+    def _check_fidelity(self, loss: torch.Tensor, replay: Replay | None) -> dict[str, Any] | None:
+        """Run the armed fidelity check and publish it; without ``replay``, skip it (warned
+        once)."""
+        assert self.fidelity is not None
+        if replay is None:
+            self.fidelity.disarm()
+            if not self._warned_no_replay:
+                self._warned_no_replay = True
+                log.warning(
+                    "telemetry.fp8_fidelity: Guard.after_backward got no replay function, so "
+                    "no fidelity check runs (pass replay=...: docs/telemetry.md#fp8-fidelity)"
+                )
+            return None
+        result = self.fidelity.check(loss, replay)
+        if result is None:
+            return None
+        layer, previous = result["layer"], self._fidelity_layer
+        if previous is not None and previous != layer:  # bounded cardinality: one series
+            self.metrics.remove("fp8_fidelity_min_grad_cosine", layer=previous)
+        self._fidelity_layer = layer
+        self.metrics.set("fp8_fidelity_min_grad_cosine", result["min_grad_cosine"], layer=layer)
+        self.metrics.set("fp8_fidelity_loss_rel_error", result["loss_rel_error"])
+        self.metrics.inc("fp8_fidelity_checks")
+        return result
 
     def _publish_grads(self, diagnostics: dict[str, Any]) -> None:
         top = {entry["layer"]: entry["l2"] for entry in diagnostics["top"]}

@@ -84,11 +84,18 @@ class FaultInjector:
             corrupted.append((window[:, :-1], window[:, 1:]))
         return corrupted
 
-    def forward(self) -> contextlib.AbstractContextManager[None]:
-        """Around the forward and backward passes: scales activations during
-        ``scale_activations``."""
-        fault = self.active.get("scale_activations")
-        return scaled_activations(self.model, fault.factor) if fault else _UNPERTURBED
+    def forward(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager[None]:
+        """Around the forward and backward passes of ``model`` (default: the trained one; the
+        FP8 fidelity check replays a step on its shadow copy): scales activations during
+        ``scale_activations``, plants an outlier in them during ``activation_outlier``."""
+        edits: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        if fault := self.active.get("scale_activations"):
+            edits.append(scaled(fault.factor))
+        if "activation_outlier" in self.active:
+            edits.append(plant_outlier)
+        if not edits:
+            return _UNPERTURBED
+        return edited_activations(self.model if model is None else model, edits)
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """A micro-batch's (accumulation-scaled) loss; NaN during ``nonfinite_loss``."""
@@ -100,17 +107,44 @@ class FaultInjector:
         return scaled_lr(self.optimizer, fault.factor) if fault else _UNPERTURBED
 
 
+OUTLIER = 2.0**20
+"""``activation_outlier``: the planted value, times the tensor's largest magnitude. FP8 e4m3
+spans 448 down to 2^-9 (about 2^17.8); at a tensorwise scale set by this value every other
+element of the tensor falls below half the smallest step and becomes 0."""
+
+
 @contextlib.contextmanager
-def scaled_activations(model: nn.Module, factor: float) -> Iterator[None]:
-    """Multiply the output of every LayerNorm feeding an attention or MLP block by ``factor``
-    (the inputs of the linear layers, where FP8 casts happen)."""
+def edited_activations(
+    model: nn.Module, edits: list[Callable[[torch.Tensor], torch.Tensor]]
+) -> Iterator[None]:
+    """Apply ``edits`` to the output of every LayerNorm feeding an attention or MLP block (the
+    inputs of the linear layers, where FP8 casts happen)."""
+
+    def hook(_module: nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
+        for edit in edits:
+            out = edit(out)
+        return out
+
     norms = [m for name, m in model.named_modules() if name.endswith(("ln_1", "ln_2"))]
-    handles = [n.register_forward_hook(lambda _m, _i, out: out * factor) for n in norms]
+    handles = [norm.register_forward_hook(hook) for norm in norms]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def scaled(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``scale_activations``: every element times ``factor``."""
+    return lambda out: out * factor
+
+
+def plant_outlier(out: torch.Tensor) -> torch.Tensor:
+    """``activation_outlier``: the last element (last sequence, token and channel) becomes
+    ``OUTLIER`` times the tensor's largest magnitude, on the device (no host read)."""
+    planted = out.clone(memory_format=torch.contiguous_format)
+    planted.view(-1)[-1] = out.detach().abs().amax() * OUTLIER
+    return planted
 
 
 @contextlib.contextmanager

@@ -219,11 +219,13 @@ class Trainer:
             y = y.pin_memory().to(self.device, non_blocking=True)
         return x, y
 
-    def _micro_step_context(self, micro: int) -> contextlib.AbstractContextManager[None]:
+    def _micro_step_context(
+        self, model: nn.Module, micro: int
+    ) -> contextlib.AbstractContextManager[None]:
         """Skip DDP's gradient all-reduce on all but the last micro-batch."""
         last = micro == self.cfg.train.grad_accum - 1
-        if isinstance(self.model, DistributedDataParallel) and not last:
-            return self.model.no_sync()
+        if isinstance(model, DistributedDataParallel) and not last:
+            return model.no_sync()
         return contextlib.nullcontext()
 
     def train_step(self) -> None:
@@ -232,9 +234,12 @@ class Trainer:
         if self.guard.checkpoints is not None:
             self.guard.checkpoints.write_delay_s = self.faults.save_delay()
         batches = self.faults.batches(self.sampler.next_step())
-        with self.faults.forward():
-            step_loss = self._forward_backward(batches)
-        self.guard.after_backward(step_loss, tokens=self.sampler.tokens_per_step)
+        step_loss = self._forward_backward(batches, self.model)
+        self.guard.after_backward(
+            step_loss,
+            tokens=self.sampler.tokens_per_step,
+            replay=lambda shadow: self._forward_backward(batches, shadow, shadow),
+        )
         with self.faults.optimizer_step():
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
@@ -247,17 +252,23 @@ class Trainer:
             self.ema.update_parameters(self.raw_model)
         self.guard.end_step()
 
-    def _forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+    def _forward_backward(
+        self, batches: list[Batch], model: nn.Module, unwrapped: nn.Module | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches through ``model`` (the trained one,
+        or the FP8 fidelity check's shadow, ``unwrapped`` being the module the fault hooks go
+        on: by default the trained model); returns the step's loss."""
         accum = self.cfg.train.grad_accum
         step_loss = torch.zeros((), device=self.device)
-        for micro, batch in enumerate(batches):
-            x, y = self._to_device(batch)
-            with self._micro_step_context(micro):
-                with autocast(self.cfg.precision.dtype, self.device):
-                    _, loss = self.model(x, y)
-                loss = self.faults.loss(loss / accum)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            step_loss += loss.detach()
+        with self.faults.forward(unwrapped):
+            for micro, batch in enumerate(batches):
+                x, y = self._to_device(batch)
+                with self._micro_step_context(model, micro):
+                    with autocast(self.cfg.precision.dtype, self.device):
+                        _, loss = model(x, y)
+                    loss = self.faults.loss(loss / accum)
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+                step_loss += loss.detach()
         return step_loss
 
     @torch.no_grad()

@@ -1,0 +1,235 @@
+"""The demo's scenario: the agent's config (the tiny demo GPT of ``configs/demo.yaml`` with an
+injected divergence) and the monitor's (``configs/monitor.yml``: the default rules and
+actions), written into the demo's folder. Slack and PagerDuty get the real messages when their
+environment variables are set; otherwise the monitor sends them to the demo's local inbox."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from lossguard.agent.config import parse_config
+from lossguard.common.config import ConfigError, read_config_file
+from lossguard.monitor.config import load_monitor_config
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT_BASE = REPO / "configs" / "demo.yaml"
+MONITOR_BASE = REPO / "configs" / "monitor.yml"
+SLACK_ENV = "LOSSGUARD_SLACK_WEBHOOK_URL"
+PAGERDUTY_ENV = "LOSSGUARD_PAGERDUTY_ROUTING_KEY"
+STAND_IN_ROUTING_KEY = "demo-routing-key".ljust(32, "0")  # PagerDuty keys have 32 characters
+RUN_ID = "tiny-gpt"
+LR_FACTOR = 1000.0
+LOG_EVERY = 5
+SPIKE_ZSCORE = 25.0
+CAP_PER_STEP = 100  # the run's max_steps per --steps: the demo stops it long before
+GROUP_WAIT = "0s"  # a page at once: the rollback may end the alert within seconds
+GROUP_INTERVAL = "5s"
+# A transient NaN ends its spike episode 20 steps later; the next checkpoint is then healthy and
+# ends LossNonFinite. Slowed steps keep that later than the monitor's 1 s scrape and evaluation.
+NAN_SLOW_STEPS = 40
+NAN_SLOW_STEP_S = 0.2
+Fault = Literal["lr", "nan"]
+MIN_STEPS: dict[Fault, int] = {"lr": 120, "nan": 30}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """``steps``: the step the recovered run is stopped at (at its first evaluation from
+    there). The fault comes at a third of it; checkpoints every 2/5 of that, so the last good
+    checkpoint lies before the fault."""
+
+    steps: int = 300
+    fault: Fault = "lr"
+
+    @property
+    def fault_step(self) -> int:
+        return self.steps // 3
+
+    @property
+    def checkpoint_every(self) -> int:
+        return max(2, 2 * self.fault_step // 5)
+
+    @property
+    def eval_every(self) -> int:
+        return max(1, self.fault_step // 2)
+
+    @property
+    def max_steps(self) -> int:
+        return self.steps * CAP_PER_STEP
+
+    def check(self) -> None:
+        """ConfigError naming the option when the scenario cannot tell its story."""
+        least = MIN_STEPS[self.fault]
+        if self.steps < least:
+            raise ConfigError(
+                f"--steps: at least {least} with --fault {self.fault}, not {self.steps} (the "
+                "fault comes at a third of the run, after the spike detector's 32 steps of "
+                "history and a checkpoint)"
+            )
+
+    def faults(self) -> list[dict[str, Any]]:
+        """The agent's ``faults:`` list. Both are transient (``once``): the steps replayed after
+        the rollback are not perturbed again."""
+        if self.fault == "nan":
+            return [
+                {"kind": "nonfinite_loss", "step": self.fault_step, "once": True},
+                {
+                    "kind": "slow_step",
+                    "step": self.fault_step,
+                    "duration": NAN_SLOW_STEPS,
+                    "seconds": NAN_SLOW_STEP_S,
+                    "once": True,
+                },
+            ]
+        duration = self.max_steps - self.fault_step
+        return [
+            {
+                "kind": "lr_scale",
+                "step": self.fault_step,
+                "duration": duration,
+                "factor": LR_FACTOR,
+                "once": True,
+            }
+        ]
+
+    def describe(self) -> str:
+        if self.fault == "nan":
+            return (
+                f"a NaN loss injected at step {self.fault_step} (the {NAN_SLOW_STEPS} steps from "
+                f"there slowed to {NAN_SLOW_STEP_S:g} s, so that the monitor sees the NaN before "
+                "a healthy checkpoint after it would end the alert)"
+            )
+        return f"the learning rate multiplied by {LR_FACTOR:g} from step {self.fault_step} on"
+
+
+@dataclass(frozen=True)
+class DemoFiles:
+    """Where the demo writes: its folder ``work`` and the paths in it."""
+
+    work: Path
+
+    @property
+    def agent_config(self) -> Path:
+        return self.work / "agent.yaml"
+
+    @property
+    def monitor_config(self) -> Path:
+        return self.work / "monitor.yml"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.work / RUN_ID
+
+    @property
+    def state_db(self) -> Path:
+        return self.work / "monitor-state" / "state.db"
+
+    @property
+    def inbox(self) -> Path:
+        return self.work / "inbox.jsonl"
+
+    @property
+    def agent_log(self) -> Path:
+        return self.work / "agent.log"
+
+    @property
+    def monitor_log(self) -> Path:
+        return self.work / "monitor.log"
+
+
+@dataclass(frozen=True)
+class Receivers:
+    """Which services get the real messages (their variable is set) and which the inbox."""
+
+    slack_real: bool
+    pagerduty_real: bool
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Receivers:
+        return cls(bool(environ.get(SLACK_ENV)), bool(environ.get(PAGERDUTY_ENV)))
+
+    @property
+    def any_local(self) -> bool:
+        return not (self.slack_real and self.pagerduty_real)
+
+    def monitor_env(self, environ: Mapping[str, str], inbox_url: str | None) -> dict[str, str]:
+        """The monitor's environment: the real variables where set, else the inbox's URL and
+        a stand-in routing key."""
+        env = dict(environ)
+        if not self.slack_real:
+            env[SLACK_ENV] = f"{inbox_url}/slack"
+        if not self.pagerduty_real:
+            env[PAGERDUTY_ENV] = STAND_IN_ROUTING_KEY
+        return env
+
+
+def prepare(work: Path) -> DemoFiles:
+    """The demo's folder, created; ConfigError when it exists and is not empty."""
+    if work.exists() and (not work.is_dir() or any(work.iterdir())):
+        raise ConfigError(f"--out: {work} exists and is not an empty folder; name a new one")
+    work.mkdir(parents=True, exist_ok=True)
+    return DemoFiles(work)
+
+
+def write_agent_config(
+    files: DemoFiles, scenario: Scenario, overrides: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``agent.yaml``: configs/demo.yaml with the scenario, then ``overrides`` (``--set``),
+    validated (ConfigError naming the key); returns it resolved."""
+    settings = read_config_file(AGENT_BASE)
+    sections: dict[str, dict[str, Any]] = {
+        "run": {"dir": str(files.work), "id": RUN_ID, "device": "cpu"},
+        "train": {
+            "max_steps": scenario.max_steps,
+            "schedule": "constant",  # the run is stopped long before max_steps
+            "eval_every": scenario.eval_every,
+            "log_every": LOG_EVERY,
+        },
+        "checkpoint": {"every": scenario.checkpoint_every},
+        "telemetry": {"host": "127.0.0.1", "port": 0, "spikes": {"zscore": SPIKE_ZSCORE}},
+    }
+    for name, values in sections.items():
+        settings[name] = {**settings.get(name, {}), **values}
+    settings["faults"] = scenario.faults()
+    resolved = parse_config(settings, overrides).resolved()
+    files.agent_config.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    return resolved
+
+
+def write_monitor_config(files: DemoFiles, receivers: Receivers, inbox_url: str | None) -> None:
+    """``monitor.yml``: configs/monitor.yml (rules, actions, inhibition) watching the demo's
+    folder, listening on a free port, with Slack (critical and warning) and PagerDuty
+    (critical) receivers and short group timers, so that a page and its resolve come within
+    the demo's minutes."""
+    settings = read_config_file(MONITOR_BASE)
+    base = MONITOR_BASE.parent
+    settings["rules"]["files"] = [str((base / f).resolve()) for f in settings["rules"]["files"]]
+    settings["scrape"] = {**settings["scrape"], "runs_root": str(files.work)}
+    settings["state"] = {"path": str(files.state_db)}
+    settings["listen"] = {**settings["listen"], "port": 0}
+    pagerduty: dict[str, Any] = {"routing_key_env": PAGERDUTY_ENV}
+    if not receivers.pagerduty_real:
+        pagerduty["url"] = f"{inbox_url}/v2/enqueue"
+    notifications = settings["notifications"]
+    notifications.pop("dashboard_url", None)  # no Grafana in the demo
+    notifications["receivers"] = [
+        {"name": "console", "log_configs": [{}]},
+        {"name": "oncall-pager", "pagerduty_configs": [pagerduty]},
+        {"name": "team-slack", "slack_configs": [{"api_url_env": SLACK_ENV}]},
+    ]
+    notifications["route"] = {
+        **notifications["route"],
+        "group_wait": GROUP_WAIT,
+        "group_interval": GROUP_INTERVAL,
+        "routes": [
+            {"receiver": "oncall-pager", "matchers": ['severity="critical"'], "continue": True},
+            {"receiver": "team-slack", "matchers": ['severity=~"critical|warning"']},
+        ],
+    }
+    files.monitor_config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    load_monitor_config(files.monitor_config)  # ConfigError naming the key

@@ -1,0 +1,57 @@
+"""What the framework callbacks share (agent/integrations/adapter.py), without a framework: tokens
+counted from batches, and the settings a callback refuses with a one-line reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lossguard.agent.config import parse_config
+from lossguard.agent.integrations.adapter import (
+    FrameworkRun,
+    batch_tokens,
+    framework_wandb_conflict,
+)
+from lossguard.common.supervisor_file import RESUME_ENV
+
+
+def test_tokens_are_counted_from_the_batch_shape() -> None:
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    assert batch_tokens({"input_ids": ids, "labels": ids}) == 64
+    assert batch_tokens(ids) == 64
+    assert batch_tokens([ids, torch.zeros(4)]) == 64
+    assert batch_tokens({"pixels": ids}) == 0
+    assert batch_tokens([]) == 0
+
+
+def start(run_dir: Path, **options: object) -> FrameworkRun:
+    model = nn.Linear(2, 1)
+    arguments: dict[str, object] = {
+        "framework": "Frame",
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "scheduler": None,
+        "config": None,
+        "max_steps": 10,
+        "global_step": 0,
+        **options,
+    }
+    return FrameworkRun.start(run_dir, **arguments)  # type: ignore[arg-type]
+
+
+def test_bad_settings_are_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match=r"^tokens_per_step: must be >= 1 or None, not 0$"):
+        start(tmp_path / "a", tokens_per_step=0)
+    monkeypatch.setenv(RESUME_ENV, "latest")
+    with pytest.raises(ValueError, match=rf"^\${RESUME_ENV} is set: under Frame, resume with"):
+        start(tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    config = parse_config({"wandb": {"enabled": True}})
+    with pytest.raises(ValueError, match=r"^wandb.enabled: Frame already logs to W&B"):
+        framework_wandb_conflict("Frame", config)
+    framework_wandb_conflict("Frame", parse_config({}))  # lossguard's W&B off: no conflict
