@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare step time with telemetry off and fully on (scraped every second)",
     )
     bench.add_argument("--rounds", type=int, default=20, help="with --overhead (default 20)")
+    bench.add_argument(
+        "--fp8-fidelity",
+        action="store_true",
+        help="with --overhead: telemetry on in both runs, the FP8 fidelity check in one "
+        "(every telemetry.fp8_fidelity.every steps; --steps a multiple of it)",
+    )
     return parser
 
 
@@ -155,8 +161,12 @@ def _bench(args: argparse.Namespace, cfg: Config) -> int:
 
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.rounds < 1:
         raise ConfigError("--steps, --repeats and --rounds must be >= 1, --warmup >= 0")
+    if args.fp8_fidelity and not args.overhead:
+        raise ConfigError("--fp8-fidelity: only with --overhead")
     if args.overhead:
-        result = run_overhead_benchmark(cfg, args.rounds, args.steps, args.warmup)
+        result = run_overhead_benchmark(
+            cfg, args.rounds, args.steps, args.warmup, fidelity=args.fp8_fidelity
+        )
         print_table(overhead_table(result))
         return EXIT_OK
     if args.checkpoint:

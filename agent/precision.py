@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -89,9 +90,10 @@ def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig, device: torch.device)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
-    convert_to_float8_training(
-        model,
-        config=Float8LinearConfig.from_recipe_name(cfg.fp8_recipe),
-        module_filter_fn=is_fp8_eligible,
-    )
+    config = Float8LinearConfig.from_recipe_name(cfg.fp8_recipe)
+    if device.type == "cpu":
+        # no FP8 hardware: the casts, scales and saturation are FP8's, the GEMM runs in fp32 on
+        # the dequantized values (torch's own CPU _scaled_mm is a reference loop, ~100x slower)
+        config = dataclasses.replace(config, emulate=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=is_fp8_eligible)
     return sum(isinstance(m, Float8Linear) for m in model.modules())

@@ -11,24 +11,26 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from lossguard.agent.config import Config, PrecisionConfig, parse_config
 from lossguard.agent.guard import Guard
 from lossguard.agent.precision import convert_to_fp8
 from lossguard.agent.telemetry.fp8_fidelity import build_shadow
+from lossguard.agent.train.bench import run_overhead_benchmark
 from lossguard.agent.train.faults import OUTLIER, plant_outlier
 from lossguard.agent.train.trainer import Trainer
 from lossguard.common.config import ConfigError
 
-from .conftest import count_host_reads, tiny_settings
+from .conftest import count_host_reads, run_cli, tiny_settings
 
 THRESHOLD = 0.9  # FP8FidelityLow in alerts/lossguard.rules.yml
 GAUGE = "lossguard_fp8_fidelity_min_grad_cosine"
 CPU = torch.device("cpu")
 
 
-def fp8_mlp() -> nn.Module:
+def fp8_mlp() -> nn.Sequential:
     """Two Float8Linear layers around a BatchNorm (buffers) and dropout (RNG)."""
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -119,7 +121,7 @@ def test_shadow_shares_the_weights_in_plain_linear_layers_without_hooks() -> Non
     model = fp8_mlp()
     model[0].register_forward_hook(lambda *_: pytest.fail("a live hook ran on the shadow"))
     shadow = build_shadow(model)
-    assert [type(m) for m in shadow if isinstance(m, nn.Linear)] == [nn.Linear, nn.Linear]
+    assert [type(m) for m in shadow.modules() if isinstance(m, nn.Linear)] == [nn.Linear] * 2
     assert isinstance(model[0], Float8Linear)  # the live model is untouched
     for live, copy in zip(model.parameters(), shadow.parameters(), strict=True):
         assert copy is not live and copy.data_ptr() == live.data_ptr()
@@ -130,14 +132,15 @@ def test_shadow_shares_the_weights_in_plain_linear_layers_without_hooks() -> Non
 def test_healthy_checks_leave_training_exactly_as_without_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reads, per_step = count_host_reads(monkeypatch), []
+    reads, per_step = count_host_reads(monkeypatch), list[int]()
     checked = user_loop(tmp_path / "on", 6, fidelity=True, reads=reads, per_step=per_step)
     monkeypatch.undo()
     plain = user_loop(tmp_path / "off", 6, fidelity=False)
     checked.close()
     plain.close()
     # same weights, BatchNorm statistics and RNG stream: the check changed nothing
-    for a, b in zip(checked.model.state_dict().values(), plain.model.state_dict().values()):
+    states = checked.model.state_dict(), plain.model.state_dict()
+    for a, b in zip(*(state.values() for state in states), strict=True):
         assert torch.equal(a, b)
     found = records(tmp_path / "on", "fp8_fidelity")
     assert [r["step"] for r in found] == [3, 6]
@@ -150,7 +153,7 @@ def test_healthy_checks_leave_training_exactly_as_without_them(
     # normal steps read nothing from the device; a check reads once (step 6: and max_steps'
     # log interval)
     assert per_step == [0, 0, 1, 0, 0, 2]
-    (labels, value), = sample(checked, GAUGE)
+    ((labels, value),) = sample(checked, GAUGE)
     assert (labels["layer"], value) == (found[-1]["layer"], found[-1]["min_grad_cosine"])
     assert sample(checked, "lossguard_fp8_fidelity_checks_total")[0][1] == 2
     assert sample(plain, GAUGE) == []
@@ -177,31 +180,32 @@ def test_outlier_flushes_every_other_value_in_fp8() -> None:
     assert torch.count_nonzero(scaled) == 1  # torchao's tensorwise scale: the rest is 0
 
 
-def trainer_config(tmp_path: Path, corpus_cache: Path, **telemetry: Any) -> Config:
-    return parse_config(
-        tiny_settings(
-            tmp_path / "runs",
-            corpus_cache,
-            model={"n_embd": 32, "block_size": 16, "dropout": 0.1},
-            train={"max_steps": 4, "batch_size": 2, "grad_accum": 2, "eval_every": 100,
-                   "eval_batches": 1, "log_every": 2},  # fmt: skip
-            precision={"dtype": "fp8"},
-            telemetry={"fp8": {"every": 2}, **telemetry},
-            faults=[{"kind": "activation_outlier", "step": 4}],
-        )
+def trainer_settings(tmp_path: Path, corpus_cache: Path, **telemetry: Any) -> dict[str, Any]:
+    """A tiny fp8 GPT (width 32, 16 tokens, 2 micro-batches of 2) with an activation_outlier
+    at step 4."""
+    return tiny_settings(
+        tmp_path / "runs",
+        corpus_cache,
+        model={"n_embd": 32, "block_size": 16, "dropout": 0.1},
+        train={"max_steps": 4, "batch_size": 2, "grad_accum": 2, "log_every": 2}
+        | {"eval_every": 100, "eval_batches": 1},
+        precision={"dtype": "fp8"},
+        telemetry={"fp8": {"every": 2}, **telemetry},
+        faults=[{"kind": "activation_outlier", "step": 4}],
     )
 
 
 def test_trainer_check_is_near_one_then_drops_under_an_activation_outlier(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    cfg = trainer_config(tmp_path, corpus_cache, fp8_fidelity={"enabled": True, "every": 2})
+    fidelity = {"enabled": True, "every": 2}
+    cfg = parse_config(trainer_settings(tmp_path, corpus_cache, fp8_fidelity=fidelity))
     trainer = Trainer(cfg, progress=False)
     try:
         trainer.fit()
         found = {r["step"]: r for r in records(trainer.run_path, "fp8_fidelity")}
-        (labels, value), = sample(trainer.guard, GAUGE)
-        (_, rel_error), = sample(trainer.guard, "lossguard_fp8_fidelity_loss_rel_error")
+        ((labels, value),) = sample(trainer.guard, GAUGE)
+        ((_, rel_error),) = sample(trainer.guard, "lossguard_fp8_fidelity_loss_rel_error")
     finally:
         trainer.close()
     assert sorted(found) == [2, 4]
@@ -213,3 +217,35 @@ def test_trainer_check_is_near_one_then_drops_under_an_activation_outlier(
     # one series, the worst layer of the last check (the step-2 layer's series is gone)
     assert labels["layer"] == found[4]["layer"] and value == found[4]["min_grad_cosine"]
     assert rel_error == found[4]["loss_rel_error"] and math.isfinite(rel_error)
+
+
+def test_under_torchrun_the_shadow_gradients_are_averaged_as_ddp_averages(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    """Each rank trains on its own batches; compared with DDP's averaged gradients, a rank's
+    own shadow gradients would be far off."""
+    settings = trainer_settings(tmp_path, corpus_cache, fp8_fidelity={"enabled": True, "every": 1})
+    settings["train"]["max_steps"] = 2
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    ran = run_cli(
+        *("--standalone", "--nproc_per_node=2", "-m", "lossguard.agent.cli", "run"),
+        *(str(config), "--no-progress"),
+        module="torch.distributed.run",
+        timeout=300,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    found = records(tmp_path / "runs" / "tiny", "fp8_fidelity")
+    assert [r["step"] for r in found] == [1, 2]
+    assert all(r["min_grad_cosine"] > 0.99 for r in found), found
+
+
+def test_bench_compares_telemetry_on_with_and_without_the_check(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    cfg = parse_config(trainer_settings(tmp_path, corpus_cache, fp8_fidelity={"every": 2}))
+    result = run_overhead_benchmark(cfg, rounds=1, steps=2, warmup=0, fidelity=True)
+    assert result.labels == ("telemetry on", "+ FP8 fidelity every 2 (fp32)")
+    assert result.ratio_name == "check / no check" and 0.2 < result.ratio < 5.0
+    with pytest.raises(ConfigError, match=r"^--steps: must be a multiple of .*every \(2\)"):
+        run_overhead_benchmark(cfg, rounds=1, steps=3, warmup=0, fidelity=True)

@@ -81,13 +81,36 @@ def build_shadow(model: nn.Module) -> nn.Module:
     return shadow
 
 
-def _layers(model: nn.Module) -> dict[str, list[str]]:
-    """Parameter names (tied ones once) grouped by the module that holds them."""
-    layers: dict[str, list[str]] = {}
+Pairs = list[tuple[nn.Parameter, nn.Parameter]]
+
+
+def _layers(model: nn.Module, shadow: nn.Module) -> dict[str, Pairs]:
+    """Each trained live parameter (tied ones once) with its shadow, grouped by the module
+    that holds them."""
+    shadow_params = dict(shadow.named_parameters())
+    layers: dict[str, Pairs] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            layers.setdefault(name.rpartition(".")[0] or name, []).append(name)
+            module = name.rpartition(".")[0] or name
+            layers.setdefault(module, []).append((param, shadow_params[name]))
     return layers
+
+
+def _cosine(pairs: Pairs, zero: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of the live and shadow gradients of one layer, in float64 on the
+    device: 1 where both are zero (or absent), 0 where one is."""
+    dot, live_sq, shadow_sq = zero, zero, zero
+    for live, shadow in pairs:
+        g = live.grad.reshape(-1).double() if live.grad is not None else None
+        h = shadow.grad.reshape(-1).double() if shadow.grad is not None else None
+        if g is not None:
+            live_sq = live_sq + torch.dot(g, g)
+        if h is not None:
+            shadow_sq = shadow_sq + torch.dot(h, h)
+        if g is not None and h is not None:
+            dot = dot + torch.dot(g, h)
+    both_zero = (live_sq == 0) & (shadow_sq == 0)
+    return torch.where(both_zero, 1.0, dot / (live_sq * shadow_sq).sqrt().clamp(min=TINY))
 
 
 class Fp8Fidelity:
@@ -98,9 +121,8 @@ class Fp8Fidelity:
         self.dtype = dtype
         self.shadow = build_shadow(model)
         self.reference = Reference(self.shadow, SHADOW_AUTOCAST[dtype])
-        self._layers = _layers(model)
-        live = dict(model.named_parameters())
-        self._pairs = [(live[n], p) for n, p in self.shadow.named_parameters() if n in live]
+        self._layers = _layers(model, self.shadow)
+        self._pairs = list(zip(model.parameters(), self.shadow.parameters(), strict=True))
         self._buffers = list(zip(model.buffers(), self.shadow.buffers(), strict=True))
         self._rng: dict[str, Any] | None = None
 
@@ -171,27 +193,7 @@ class Fp8Fidelity:
 
     @torch.no_grad()
     def _compare(self, loss: torch.Tensor, ref_loss: torch.Tensor) -> torch.Tensor:
-        """Per layer cosine (1 where both gradients are zero, 0 where one is), then the two
-        losses, as one float64 tensor on the device."""
-        live = dict(self.model.named_parameters())
-        shadow = dict(self.shadow.named_parameters())
-        device = loss.device
-        zero = torch.zeros((), device=device, dtype=torch.float64)
-        cosines = []
-        for names in self._layers.values():
-            dot, live_sq, shadow_sq = zero, zero, zero
-            for name in names:
-                g, h = live[name].grad, shadow[name].grad
-                g64 = g.double() if g is not None else None
-                h64 = h.double() if h is not None else None
-                if g64 is not None:
-                    live_sq = live_sq + g64.square().sum()
-                if h64 is not None:
-                    shadow_sq = shadow_sq + h64.square().sum()
-                if g64 is not None and h64 is not None:
-                    dot = dot + (g64 * h64).sum()
-            norms = (live_sq * shadow_sq).sqrt()
-            both_zero = (live_sq == 0) & (shadow_sq == 0)
-            cosine = torch.where(both_zero, 1.0, dot / norms.clamp(min=TINY))
-            cosines.append(cosine)
+        """Every layer's cosine, then the two losses, as one float64 tensor on the device."""
+        zero = torch.zeros((), device=loss.device, dtype=torch.float64)
+        cosines = [_cosine(pairs, zero) for pairs in self._layers.values()]
         return torch.stack([*cosines, loss.double(), ref_loss.double()])

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lossguard.agent.config import Config
+from lossguard.common.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class OverheadResult:
     off_seconds: list[float]  # mean step time of each timed block, telemetry off
     on_seconds: list[float]  # the same, telemetry fully on and scraped every second
     steps: int
+    labels: tuple[str, str] = ("off", "on + scraped 1/s")
+    ratio_name: str = "on / off"
 
     @property
     def ratio(self) -> float:
@@ -184,10 +187,28 @@ def timed_block(trainer: Any, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def run_overhead_benchmark(cfg: Config, rounds: int, steps: int, warmup: int) -> OverheadResult:
-    """The same loop with telemetry off and fully on, interleaved (off-on, on-off, ...)."""
+def check_fidelity_bench(cfg: Config, steps: int) -> None:
+    """``--fp8-fidelity`` needs an FP8 run, and timed blocks that each hold the same number of
+    checks (a whole number of check intervals); ConfigError otherwise."""
+    every = cfg.telemetry.fp8_fidelity.every
+    if cfg.precision.dtype != "fp8":
+        raise ConfigError("--fp8-fidelity: needs precision.dtype fp8 (--set precision.dtype=fp8)")
+    if steps % every:
+        raise ConfigError(
+            f"--steps: must be a multiple of telemetry.fp8_fidelity.every ({every}) with "
+            "--fp8-fidelity, so that every timed block holds the same number of checks"
+        )
+
+
+def run_overhead_benchmark(
+    cfg: Config, rounds: int, steps: int, warmup: int, *, fidelity: bool = False
+) -> OverheadResult:
+    """The same loop with telemetry off and fully on, interleaved (off-on, on-off, ...). With
+    ``fidelity``: telemetry on in both, and the FP8 fidelity check in the second only."""
     from lossguard.agent.train.trainer import Trainer
 
+    if fidelity:
+        check_fidelity_bench(cfg, steps)
     with tempfile.TemporaryDirectory(prefix="lossguard-bench-") as scratch:
         trainers = {}
         for mode in ("off", "on"):
@@ -195,9 +216,11 @@ def run_overhead_benchmark(cfg: Config, rounds: int, steps: int, warmup: int) ->
             run.checkpoint.every = None
             run.checkpoint.save_on_exit = False
             run.train.max_steps = max(run.train.max_steps, warmup + rounds * steps + 1)
-            run.telemetry.enabled = mode == "on"
+            run.telemetry.enabled = mode == "on" or fidelity
             run.telemetry.host, run.telemetry.port = "127.0.0.1", 0
-            run.telemetry.grad_diagnostics.enabled = mode == "on"
+            run.telemetry.grad_diagnostics.enabled = run.telemetry.enabled
+            if fidelity:
+                run.telemetry.fp8_fidelity.enabled = mode == "on"
             trainers[mode] = Trainer(run, progress=False)
         try:
             telemetry = trainers["on"].guard.telemetry
@@ -213,7 +236,11 @@ def run_overhead_benchmark(cfg: Config, rounds: int, steps: int, warmup: int) ->
         finally:
             for trainer in trainers.values():
                 trainer.close()
-    return OverheadResult(times["off"], times["on"], steps)
+    if not fidelity:
+        return OverheadResult(times["off"], times["on"], steps)
+    check = cfg.telemetry.fp8_fidelity
+    labels = ("telemetry on", f"+ FP8 fidelity every {check.every} ({check.dtype})")
+    return OverheadResult(times["off"], times["on"], steps, labels, "check / no check")
 
 
 def overhead_table(result: OverheadResult) -> Table:
@@ -222,14 +249,14 @@ def overhead_table(result: OverheadResult) -> Table:
     )
     for column in ("telemetry", "median step ms", "min", "max"):
         table.add_column(column, justify="left" if column == "telemetry" else "right")
-    for mode, times in (("off", result.off_seconds), ("on + scraped 1/s", result.on_seconds)):
+    for mode, times in zip(result.labels, (result.off_seconds, result.on_seconds), strict=True):
         table.add_row(
             mode,
             f"{statistics.median(times) * 1e3:.2f}",
             f"{min(times) * 1e3:.2f}",
             f"{max(times) * 1e3:.2f}",
         )
-    table.caption = f"on / off = {result.ratio:.4f}"
+    table.caption = f"{result.ratio_name} = {result.ratio:.4f}"
     return table
 
 

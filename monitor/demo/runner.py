@@ -59,7 +59,7 @@ def run_demo(
     environ: Mapping[str, str] | None = None,
 ) -> int:
     """The demo, start to end: 0 when the run was rolled back and recovered, 1 when not.
-    ConfigError (before anything starts) for options or overrides that cannot work."""
+    ConfigError (before any process starts) for options or overrides that cannot work."""
     stream = sys.stdout if stream is None else stream
     environ = os.environ if environ is None else environ
     scenario = Scenario(options.steps, options.fault)
@@ -67,19 +67,19 @@ def run_demo(
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)  # ends the agent and the monitor too
     files = prepare(options.out or default_out())
+    write_agent_config(files, scenario, options.overrides)
     receivers = Receivers.from_env(environ)
     inbox = Inbox(files.inbox) if receivers.any_local else None
     try:
         inbox_url = None if inbox is None else inbox.url
-        write_agent_config(files, scenario, options.overrides)
         write_monitor_config(files, receivers, inbox_url)
-        monitor_env = receivers.monitor_env(environ, inbox_url)
         view: View = (
             PlainView(stream)
             if use_plain(options.plain, stream, environ)
             else LiveView(stream, f"lossguard demo: run {RUN_ID}")
         )
-        demo = Demo(files, scenario, view, receivers, monitor_env)
+        monitor_env = receivers.monitor_env(environ, inbox_url)
+        demo = Demo(files, scenario, view, receivers, dict(environ), monitor_env)
         try:
             story = demo.run()
         finally:
@@ -105,12 +105,14 @@ class Demo:
         scenario: Scenario,
         view: View,
         receivers: Receivers,
+        agent_env: dict[str, str],
         monitor_env: dict[str, str],
     ) -> None:
         self.files = files
         self.scenario = scenario
         self.view = view
         self.receivers = receivers
+        self.agent_env = agent_env
         self.monitor_env = monitor_env
         self.watcher = Watcher(files.run_dir, files.state_db)
         self.started = time.monotonic()
@@ -131,7 +133,7 @@ class Demo:
             agent = _start(
                 ["lossguard.agent.cli", "run", str(self.files.agent_config), "--no-progress"],
                 self.files.agent_log,
-                dict(os.environ),
+                self.agent_env,
             )
             self._watch(agent, monitor)
             self._settle(monitor)
