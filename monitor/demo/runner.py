@@ -177,8 +177,8 @@ class Demo:
         )
         lines = [
             f"demo files in {self.files.work}",
-            "agent: the tiny demo GPT (configs/demo.yaml) on CPU, on the Python standard "
-            f"library's sources; fault: {self.scenario.describe()}",
+            "agent: the tiny demo GPT (configs/demo.yaml, batches of 8) on CPU, on the Python "
+            f"standard library's sources; fault: {self.scenario.describe()}",
             "monitor: the default rules (alerts/lossguard.rules.yml) and actions "
             f"(configs/monitor.yml), scraping and evaluating every second; {slack}, {pager}",
             f"the demo stops the run at its first evaluation from step {self.scenario.steps} "
