@@ -3,10 +3,11 @@ the monitor's account of a dead run (and anything else that must know how far a 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from lossguard.common.jsonl import json_object
 
 METRICS_LOG = "metrics.jsonl"
 TAIL_BYTES = 64 * 1024
@@ -33,12 +34,9 @@ def last_logged(run_dir: Path) -> LastLogged:
     step: int | None = None
     time: float | None = None
     for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        record = json_object(line)
+        if record is None:
             continue  # torn by the crash, or cut by the tail
-        if not isinstance(record, dict):
-            continue
         if time is None and _number(record.get("time")):
             time = float(record["time"])
         if step is None and record.get("kind") == "train" and _integer(record.get("step")):

@@ -18,7 +18,6 @@ from lossguard.agent import Guard
 from lossguard.agent.config import parse_config
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.store import ActionStore
-from lossguard.monitor.cli import main
 from lossguard.monitor.report import ReportError, write_report
 from lossguard.monitor.report.data import read_run
 from lossguard.monitor.report.jsonl import read_jsonl
@@ -135,9 +134,7 @@ def test_own_loop_without_telemetry_says_what_it_lacks(tmp_path: Path) -> None:
     assert "series-mfu" not in ids and "mark-rollback-0" not in ids
 
 
-def test_crashed_run_with_a_torn_last_line(
-    tmp_path: Path, corpus_cache: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_crashed_run_with_a_torn_last_line(tmp_path: Path, corpus_cache: Path) -> None:
     settings = tiny_settings(
         tmp_path / "runs",
         corpus_cache,
@@ -159,10 +156,13 @@ def test_crashed_run_with_a_torn_last_line(
     assert run.last_step == 10
 
     out = tmp_path / "report"
-    assert main(["report", str(run_dir), "--out", str(out)]) == 0
-    assert capsys.readouterr().out.split() == [str(out / "report.html"), str(out / "report.png")]
-    assert main(["report", str(run_dir), "--out", str(out / "report.png" / "x")]) == 2
-    assert capsys.readouterr().err.splitlines() == [
+    # a subprocess: the CLI sets up logging on the stderr it is given
+    done = monitor_cli("report", str(run_dir), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(out / "report.html"), str(out / "report.png")]
+    refused = monitor_cli("report", str(run_dir), "--out", str(out / "report.png" / "x"))
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
         f"lossguard-monitor: error: cannot write the report into {out / 'report.png' / 'x'}: "
         "Not a directory"
     ]

@@ -6,13 +6,13 @@ summary."""
 from __future__ import annotations
 
 import contextlib
-import json
 import sqlite3
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lossguard.common.jsonl import json_object
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.store import ActionStore
@@ -92,15 +92,7 @@ class JsonlFollower:
             return []
         self._offset += len(data)
         *lines, self._rest = (self._rest + data).split(b"\n")
-        found = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                continue
-            if isinstance(record, dict):
-                found.append(record)
-        return found
+        return [record for line in lines if (record := json_object(line)) is not None]
 
 
 class Watcher:

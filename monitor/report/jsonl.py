@@ -3,10 +3,11 @@ them: every object line, and a count of the lines that are not one (a line torn 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lossguard.common.jsonl import json_object
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,8 @@ def read_jsonl(path: Path) -> JsonLines:
     for line in data.splitlines():
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            record = None
-        if isinstance(record, dict):
+        record = json_object(line)
+        if record is not None:
             records.append(record)
         else:
             unreadable += 1
