@@ -164,6 +164,20 @@ def test_real_receivers_when_their_variables_are_set(tmp_path: Path) -> None:
     assert env == {SLACK_ENV: "http://127.0.0.1:9/slack", PAGERDUTY_ENV: STAND_IN_ROUTING_KEY}
 
 
+def test_a_relative_folder_is_watched_where_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the default --out is relative (runs/demo-<time>); the monitor reads its paths from a
+    # config inside that folder, so they must not be relative to the shell's folder
+    monkeypatch.chdir(tmp_path)
+    files = prepare(Path("runs") / "demo-x")
+    write_monitor_config(files, Receivers.from_env({}), "http://127.0.0.1:9")
+    config = yaml.safe_load(files.monitor_config.read_text())
+    here = files.monitor_config.parent
+    assert here / config["scrape"]["runs_root"] == tmp_path / "runs" / "demo-x"
+    assert (here / config["state"]["path"]).parent.parent == tmp_path / "runs" / "demo-x"
+
+
 def _action(**result: Any) -> ActionRecord:
     return ActionRecord(
         id="lg-1",

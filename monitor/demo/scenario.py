@@ -170,7 +170,9 @@ class Receivers:
 
 
 def prepare(work: Path) -> DemoFiles:
-    """The demo's folder, created; ConfigError when it exists and is not empty."""
+    """The demo's folder, created; ConfigError when it exists and is not empty. Absolute: the
+    configs written into it name their paths, which a relative folder would double."""
+    work = work.resolve()
     if work.exists() and (not work.is_dir() or any(work.iterdir())):
         raise ConfigError(f"--out: {work} exists and is not an empty folder; name a new one")
     work.mkdir(parents=True, exist_ok=True)
