@@ -73,6 +73,7 @@ class Walkthrough:
             **os.environ,
             "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
             "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1",  # a crash prints its traceback into the command's log
         }
 
     def run(self, command: str) -> None:
@@ -146,7 +147,9 @@ class Walkthrough:
 
     def finished(self, key: str) -> None:
         process = self.background.pop(key)
-        assert process.wait(180) == 0, key
+        code = process.wait(180)
+        log = self.home / f"{key.replace('/', '-')}.log"
+        assert code == 0, f"{key} exited with {code}; its log ends:\n{log.read_text()[-2000:]}"
 
     def close(self) -> None:
         """Stop what still runs: SIGTERM, and each exits 0 (a supervisor forwards it)."""

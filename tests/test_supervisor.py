@@ -55,8 +55,12 @@ COMMAND = textwrap.dedent(
 
 
 def stand_in(run_dir: Path) -> list[str]:
+    """The stand-in's argv. The script is written once: rewriting it in place for a second
+    supervisor truncated it under a first one's child still starting, which then ran an empty
+    script and exited 0."""
     script = run_dir.parent / "stand_in.py"
-    script.write_text(COMMAND)
+    if not script.exists():
+        script.write_text(COMMAND)
     return [sys.executable, str(script), str(run_dir)]
 
 
@@ -239,12 +243,7 @@ def test_one_supervisor_per_run(tmp_path: Path) -> None:
     try:
         wait_for(lambda: state_of(run_dir) == "running", 30, "the first supervisor")
         second = supervise(run_dir)
-        try:
-            _, err = second.communicate(timeout=120)  # a start on a busy 2-core machine
-        except subprocess.TimeoutExpired:
-            second.kill()
-            _, err = second.communicate()
-            raise AssertionError(f"the second supervisor did not refuse; it said: {err}") from None
+        _, err = second.communicate(timeout=60)
         assert second.returncode == 1
         assert err.strip().splitlines()[-1] == (
             f"lossguard-supervise: error: supervisor pid {supervisor.pid} already supervises "
