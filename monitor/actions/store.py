@@ -89,26 +89,26 @@ class ActionStore:
 
     def open(self) -> list[ActionRecord]:
         """Actions held back or waiting to be sent, oldest first."""
-        return self._select("WHERE state IN ('held', 'pending') ORDER BY created_at", ())
+        return self._select("WHERE state IN ('held', 'pending') ORDER BY created_at, rowid", ())
 
     def of_run(self, run_id: str, since: float, kind: str | None = None) -> list[ActionRecord]:
         """The run's actions (of ``kind``) created at ``since`` or later, oldest first."""
         if kind is None:
             return self._select(
-                "WHERE run_id = ? AND created_at >= ? ORDER BY created_at", (run_id, since)
+                "WHERE run_id = ? AND created_at >= ? ORDER BY created_at, rowid", (run_id, since)
             )
         return self._select(
-            "WHERE run_id = ? AND kind = ? AND created_at >= ? ORDER BY created_at",
+            "WHERE run_id = ? AND kind = ? AND created_at >= ? ORDER BY created_at, rowid",
             (run_id, kind, since),
         )
 
     def of_alert(self, fingerprint: str) -> list[ActionRecord]:
         """Every action taken for alerts with this fingerprint, oldest first."""
-        return self._select("WHERE fingerprint = ? ORDER BY created_at", (fingerprint,))
+        return self._select("WHERE fingerprint = ? ORDER BY created_at, rowid", (fingerprint,))
 
     def recent(self, limit: int = 50) -> list[ActionRecord]:
         """The newest actions, newest first."""
-        return self._select("ORDER BY created_at DESC LIMIT ?", (limit,))
+        return self._select("ORDER BY created_at DESC, rowid DESC LIMIT ?", (limit,))
 
     def _select(self, where: str, params: tuple[Any, ...]) -> list[ActionRecord]:
         with self.state.reading() as db:
