@@ -134,17 +134,27 @@ def step_records(run_dir: Path) -> dict[int, float]:
     """Train loss per step from metrics.jsonl, the last line for a step winning (as after a
     resume or rollback replays steps)."""
     losses: dict[int, float] = {}
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        record = json.loads(line)
+    for record in json_lines(run_dir / "metrics.jsonl"):
         if record["kind"] == "train":
             losses[record["step"]] = record["train_loss"]
     return losses
 
 
+def last_step(run_dir: Path) -> int:
+    """The step of the newest whole record in metrics.jsonl."""
+    return int(json_lines(run_dir / "metrics.jsonl")[-1]["step"])
+
+
 def events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return json_lines(run_dir / "events.jsonl")
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file a live process appends to; the text after the last
+    newline is a line still being written and is left out."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
 
 
 def monitor_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -26,6 +26,7 @@ from tests.conftest import (
     REPO,
     events,
     free_port,
+    last_step,
     monitor_cli,
     start_agent,
     start_monitor,
@@ -301,15 +302,8 @@ def test_held_recorded_killed_and_resent_rollback_is_applied_once(
             lambda: [a for a in actions_in(db) if a["state"] == "applied"], 60, "the answer"
         )[0]
         assert again["result"]["from_step"] == applied["result"]["from_step"]
-        step_then = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-        wait_for(
-            lambda: (
-                json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-                >= step_then + 40
-            ),
-            120,
-            "training past the bad step",
-        )
+        step_then = last_step(run_dir)
+        wait_for(lambda: last_step(run_dir) >= step_then + 40, 120, "training past the bad step")
         assert len(rollbacks(run_dir)) == 1  # applied once; the transient NaN did not recur
         assert [a["kind"] for a in actions_in(db)] == ["rollback"]
         commands = [e for e in events(run_dir) if e.get("event") == "command"]
