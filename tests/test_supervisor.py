@@ -107,6 +107,11 @@ def state_of(run_dir: Path) -> str | None:
     return info.state if info else None
 
 
+def trains(run_dir: Path) -> bool:
+    """A started stand-in is training (its pid written) and the supervisor says "running"."""
+    return (run_dir / "child.pid").exists() and state_of(run_dir) == "running"
+
+
 def of_kind(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in events(run_dir) if e.get("event") == kind]
 
@@ -119,11 +124,7 @@ def test_restarts_after_crashes_until_the_command_succeeds(tmp_path: Path) -> No
     try:
         wait_for(lambda: len(starts(run_dir)) >= 3, 30, "three starts")
         (run_dir / "behaviour.txt").write_text("train")
-        wait_for(
-            lambda: (run_dir / "child.pid").exists() and state_of(run_dir) == "running",
-            30,
-            "a start that trains",
-        )
+        wait_for(lambda: trains(run_dir), 30, "a start that trains")
         child = int((run_dir / "child.pid").read_text())
         series = supervisor_series(run_dir)
         crashes = series[("lossguard_supervisor_crashes_total", (("run_id", "run"),))]
@@ -173,11 +174,7 @@ def test_crash_loop_stops_restarting_pages_and_waits_for_a_human(tmp_path: Path)
         (run_dir / "behaviour.txt").write_text("train")
         restarted = ask(run_dir, "restart", "--reason", "fixed the data path")
         assert restarted.returncode == 0, restarted.stderr
-        wait_for(
-            lambda: (run_dir / "child.pid").exists() and state_of(run_dir) == "running",
-            30,
-            "the human restart",
-        )
+        wait_for(lambda: trains(run_dir), 30, "the human restart")
         assert len(starts(run_dir)) == 4
         request = of_kind(run_dir, "command")[-1]
         assert request["cmd"] == "restart" and request["args"] == {"reason": "fixed the data path"}
