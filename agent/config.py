@@ -127,6 +127,25 @@ class CheckpointConfig(Section):
     )
 
 
+class DistributedConfig(Section):
+    strategy: Literal["ddp", "fsdp2", "hsdp"] = Field(
+        default="ddp",
+        description="Under torchrun: ddp replicates the model; fsdp2 shards parameters, "
+        "gradients and optimizer state over all ranks (fully_shard per block and at the root); "
+        "hsdp shards within groups and replicates across them.",
+    )
+    replicate: int | None = Field(
+        default=None, ge=1, description="hsdp: replica groups (the world size divides by it)."
+    )
+    activation_checkpointing: bool = Field(
+        default=False, description="fsdp2/hsdp: recompute each block's activations in backward."
+    )
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy != "ddp"
+
+
 class ControlConfig(Section):
     socket: bool = Field(default=True, description="Serve run_dir/control.sock (mode 0600).")
     tcp: str | None = Field(
@@ -257,6 +276,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
@@ -271,6 +291,32 @@ class Config(Section):
                 f"needs precision.dtype fp8 (not {self.precision.dtype}): the check compares "
                 "the FP8 layers with a high-precision copy",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_combinations(self) -> Config:
+        dist = self.distributed
+        if dist.strategy == "hsdp" and dist.replicate is None:
+            raise field_error("distributed.replicate", "hsdp needs the number of replica groups")
+        if dist.strategy != "hsdp" and dist.replicate is not None:
+            raise field_error("distributed.replicate", f"only with hsdp, not {dist.strategy}")
+        if dist.activation_checkpointing and not dist.sharded:
+            raise field_error("distributed.activation_checkpointing", "only with fsdp2 or hsdp")
+        if not dist.sharded:
+            return self
+        refused = {
+            "precision.dtype": self.precision.dtype == "fp16"
+            and "fp16 needs a GradScaler, which lossguard does not run under FSDP2: use bf16",
+            "train.ema_decay": self.train.ema_decay is not None
+            and "the weight EMA is not kept for sharded models",
+            "model.compile": self.model.compile
+            and "torch.compile is not applied to sharded models (yet)",
+            "telemetry.fp8_fidelity.enabled": self.telemetry.fp8_fidelity.enabled
+            and "the FP8 fidelity shadow copies the whole model: not under FSDP2",
+        }
+        for name, why in refused.items():
+            if why:
+                raise field_error(name, f"{why} (distributed.strategy {dist.strategy})")
         return self
 
     def resolved(self) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from lossguard.agent.control.server import (
     socket_is_live,
 )
 from lossguard.agent.distributed import broadcast_objects, control_group, rank_and_world
+from lossguard.agent.dtensors import full_value
 from lossguard.agent.recovery import (
     DETECTOR_STATE,
     PROGRESS_STATE,
@@ -433,7 +434,7 @@ class Guard:
         else:
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = nn.utils.get_total_norm(grads, foreach=True)
-        norm = norm.detach().float()
+        norm = full_value(norm.detach()).float()  # sharded: one reduction over the shards
         if self.telemetry is not None:
             # Skip on the grad norm only: it is the same on every rank after DDP's all-reduce,
             # so every replica skips the same steps (a rank's own loss is counted, not acted on).
