@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from lossguard.agent.checkpoint.dcp_format import DcpCheckpoints, ShardedState
 from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
@@ -42,7 +43,7 @@ from lossguard.agent.control.server import (
     socket_is_live,
 )
 from lossguard.agent.distributed import broadcast_objects, control_group, rank_and_world
-from lossguard.agent.dtensors import full_value
+from lossguard.agent.dtensors import full_value, is_sharded
 from lossguard.agent.recovery import (
     DETECTOR_STATE,
     PROGRESS_STATE,
@@ -226,6 +227,18 @@ class Guard:
         self._interval_start = (self.step, self._data_position())
         if self.rank == 0:
             self._open_run_directory(progress)
+        sharded = (
+            DcpCheckpoints(
+                self.path / CHECKPOINT_DIR,
+                ShardedState(model, optimizer),
+                store=self.checkpoints,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+            )
+            if is_sharded(model)
+            else None
+        )
         self.recovery = Recovery(
             self.state,
             self.progress,
@@ -238,6 +251,7 @@ class Guard:
             healthy_now=self._healthy_now,
             on_restored=self._restored,
             event=self.event,
+            sharded=sharded,
         )
         self.commands = CommandRunner(
             self,
@@ -745,6 +759,8 @@ class Guard:
         if not failed:
             self._log_interval()
         self.signals.uninstall()
+        if self.recovery.sharded is not None and not failed:  # its writes are collective
+            self.recovery.sharded.close()
         if self.checkpoints is not None:
             self.checkpoints.wait()
         if self.control is not None:

@@ -38,8 +38,8 @@ from lossguard.agent.train.data import Batch, BatchSampler, load_data
 from lossguard.agent.train.faults import FaultInjector
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
-from lossguard.agent.train.sharding import device_mesh, gradient_sync, shard_gpt
 from lossguard.agent.train.optim import WeightEma, build_optimizer, build_scheduler
+from lossguard.agent.train.sharding import device_mesh, gradient_sync, shard_gpt
 from lossguard.common.config import ConfigError
 from lossguard.common.protocol import SOCKET_NAME, Target
 
