@@ -74,7 +74,13 @@ def weights_digest(model: nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):  # sharded: collective
         digest.update(name.encode())
         digest.update(
-            full_value(tensor.detach()).cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            full_value(tensor.detach())
+            .cpu()
+            .reshape(-1)
+            .contiguous()
+            .view(torch.uint8)
+            .numpy()
+            .tobytes()
         )
     return digest.hexdigest()
 
@@ -256,9 +262,7 @@ class Recovery:
 
         if self.sharded is not None:
             fields = meta_fields(step, extra=None, **fields_in)
-            self.sharded.save(
-                payload, fields, wait=wait or not self.async_save, on_done=finished
-            )
+            self.sharded.save(payload, fields, wait=wait or not self.async_save, on_done=finished)
             return
         if self.async_save and not wait:
             store.save_async(step, snapshot(payload), on_done=finished, **fields_in)
@@ -380,8 +384,9 @@ class Recovery:
         if saved_world != self.world_size and self.rank == 0:
             message = (
                 f"{meta.name} was written by {saved_world} ranks and loads on {self.world_size}: "
-                "model and optimizer are resharded exactly; the RNG states (dropout) and the "
-                "detectors are rank 0's on the ranks it lacks, so the run goes on, not replays"
+                "model and optimizer state are resharded exactly, but the per-rank RNG states "
+                "(dropout), detector windows and data streams are not (a rank without its own "
+                "takes rank 0's): training goes on, it does not replay bit for bit"
             )
             log.warning("%s", message)
             self.event("resharded", checkpoint=meta.name, saved_world_size=saved_world)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ class DcpCheckpoints:
         # on GPUs: pinned buffers kept for the next save, filled by a background copy
         self.stager = DefaultStager(StagingOptions(cuda, False, cuda, cuda)) if cuda else None
         self._upload: Future[Any] | None = None
+        self._delay_s = 0.0
         self._publisher: threading.Thread | None = None
 
     def wait(self) -> None:
@@ -129,6 +131,7 @@ class DcpCheckpoints:
         tmp = self._temp_folder(fields["name"])
         write_synced(tmp / rank_file(self.rank), lambda fh: torch.save(rank_payload, fh))
         fields = {**fields, "extra": {**fields["extra"], WORLD_SIZE: self.world_size}}
+        self._delay_s = self.store.write_delay_s if self.store is not None else 0.0
         if wait:
             self._write_now(tmp, fields, on_done)
             return
@@ -191,6 +194,7 @@ class DcpCheckpoints:
             shutil.rmtree(tmp, ignore_errors=True)
             result = RuntimeError(f"checkpoint {fields['name']}: write failed ({error})")
         else:
+            time.sleep(self._delay_s)  # the slow_save fault drill (as at save time); 0 otherwise
             try:
                 result = self.store.commit(tmp, fields, DCP_FORMAT)
             except Exception as exc:
