@@ -32,6 +32,11 @@ ELSEWHERE = {
     "docker compose up": ("tests/test_stack.py", "deploy"),
     "torchrun --nproc_per_node 2 -m lossguard.agent.cli run configs/demo.yaml "
     "--set train.max_steps=20": ("tests/test_resume.py", "torchrun"),
+    "torchrun --nproc_per_node 2 -m lossguard.agent.cli run configs/demo.yaml "
+    "--set train.max_steps=20 --set distributed.strategy=fsdp2 --set run.id=sharded": (
+        "tests/test_sharded.py",
+        "torchrun",
+    ),
 }
 # Commands that run until stopped: started in the background, then waited for.
 LONG_RUNNING = ("lossguard-agent run", "lossguard-supervise run", "lossguard-monitor run")
