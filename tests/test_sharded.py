@@ -50,6 +50,7 @@ def sharded_settings(runs: Path, cache: Path, **distributed: Any) -> dict[str, A
         model={"dropout": 0.1},
         train={"max_steps": STEPS, "grad_accum": 2, "log_every": 1, "eval_every": 1000},
         checkpoint={"every": 4, "keep_last": 100},
+        telemetry={"grad_diagnostics": {"enabled": True, "every": 3}},
         distributed={"strategy": "fsdp2", **distributed},
     )
 
@@ -119,6 +120,14 @@ def test_fsdp2_trains_and_writes_dcp_checkpoints_that_readers_list_unchanged(
     losses = step_records(reference)
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1]
+    # per-layer gradient norms reduced over the shards add up to the global grad norm
+    records = json_lines(reference / "metrics.jsonl")
+    norms = {r["step"]: r["grad_norm"] for r in records if r["kind"] == "train"}
+    sampled = [r for r in records if r["kind"] == "grad_diagnostics"]
+    assert [r["step"] for r in sampled] == [3, 6, 9, 12]
+    for record in sampled:
+        total = math.sqrt(sum(layer["l2"] ** 2 for layer in record["layers"].values()))
+        assert total == pytest.approx(norms[record["step"]], rel=1e-4)
     meta = read_meta(reference / f"checkpoints/step_{STEPS:08d}")
     assert meta.format == "dcp" and meta.extra["world_size"] == 2
     assert set(meta.files) == {
