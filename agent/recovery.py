@@ -221,8 +221,8 @@ class Recovery:
         step = self.progress.step
         self.last_saved_step = step  # on every rank: finish() must agree on the collective
         if self.store is None:
-            if self.sharded is not None:  # every rank writes its shards
-                fields = meta_fields(step, 0, False, reason, None, None, None)
+            if self.sharded is not None:  # every rank writes its shards; rank 0 the meta
+                fields = meta_fields(step, 0, False, reason, None, None, None)  # for the name
                 self.sharded.save(payload, fields, wait=wait or not self.async_save, on_done=None)
             return
         store = self.store

@@ -1,9 +1,11 @@
 """``CheckpointStore``: atomic, verified, retained checkpoints under ``run_dir/checkpoints``.
 
 A checkpoint is a folder ``step_XXXXXXXX`` holding ``state.pt`` (one ``torch.save`` dict) and
-``meta.json``. It is written under a hidden temporary name, fsynced and renamed into place, so it
-is visible only when complete; deletion renames it to a hidden trash name first. Hidden leftovers
-of a crash are removed when a store opens. Only one process writes to a store at a time.
+``meta.json``; a ``dcp`` checkpoint (``dcp_format``) holds every rank's files instead, written
+into a ``temp_folder`` and published by ``commit``. It is written under a hidden temporary
+name, fsynced and renamed into place, so it is visible only when complete; deletion renames it
+to a hidden trash name first. Hidden leftovers of a crash are removed when a store opens. Only
+one process publishes to a store at a time.
 """
 
 from __future__ import annotations

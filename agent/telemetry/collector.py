@@ -21,6 +21,7 @@ from torch import nn
 from lossguard.agent.checkpoint.meta import CheckpointMeta
 from lossguard.agent.config import Config
 from lossguard.agent.distributed import all_gather_objects
+from lossguard.agent.dtensors import is_sharded
 from lossguard.agent.rundir import git_commit
 from lossguard.agent.telemetry.exporter import Exporter
 from lossguard.agent.telemetry.fp8_fidelity import Fp8Fidelity, Replay
@@ -32,6 +33,7 @@ from lossguard.agent.telemetry.registry import AgentMetrics
 from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeDetector
 from lossguard.common import __version__
 from lossguard.common.catalogue import MEMORY_KINDS, SIGNALS
+from lossguard.common.config import ConfigError
 
 log = logging.getLogger("lossguard.agent")
 
@@ -115,6 +117,11 @@ class Telemetry:
             self.fp8 = Fp8Health(model, config.precision.fp8_recipe)
         fidelity = cfg.fp8_fidelity
         on = fidelity.enabled and precision == "fp8"
+        if on and is_sharded(model):
+            raise ConfigError(
+                "telemetry.fp8_fidelity.enabled: the check's shadow is a whole copy of the "
+                "model: not with a sharded (FSDP2 / HSDP) model"
+            )
         self.fidelity = Fp8Fidelity(model, fidelity.dtype) if on else None
         self._fidelity_layer: str | None = None
         self._warned_no_replay = False
