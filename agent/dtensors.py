@@ -26,7 +26,7 @@ def shard_stats(grad: DTensor, neuron_rows: bool) -> tuple[torch.Tensor, float]:
     """This rank's part of a gradient's statistics: sum of squares, max |g|, all-zero rows and
     rows (rows: for a Linear weight, sharded by rows under FSDP2; else 0), and how many ranks
     hold the same shard (the replicas of HSDP), by which the sums are divided."""
-    local = grad.to_local()
+    local = grad.to_local().detach()
     if local.numel() == 0:
         zero = torch.zeros((), device=local.device)
         stats = torch.stack([zero, zero, zero, zero])

@@ -61,7 +61,7 @@ class GradDiagnostics:
                 continue
             if isinstance(grad, DTensor):  # FSDP2 / HSDP: this rank's shard, reduced below
                 sharded_names.append(name)
-                sharded.append(shard_stats(grad.detach(), name in self._neuron_rows))
+                sharded.append(shard_stats(grad, name in self._neuron_rows))
                 continue
             grad = grad.detach()
             l2 = torch.linalg.vector_norm(grad, dtype=torch.float32)
