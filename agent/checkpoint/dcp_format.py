@@ -112,10 +112,6 @@ class DcpCheckpoints:
             except Exception as exc:  # rank 0 reports it; a failed save leaves nothing
                 log.warning("rank %d: background checkpoint write failed: %s", self.rank, exc)
 
-    @property
-    def in_progress(self) -> bool:
-        return self._upload is not None and not self._upload.done()
-
     def save(
         self,
         rank_payload: dict[str, Any],
