@@ -16,8 +16,8 @@ from lossguard.common.cli import (
     add_override_option,
 )
 from lossguard.common.config import ConfigError
-from lossguard.common.protocol import Target, parse_target
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.common.control.protocol import Target, parse_target
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 

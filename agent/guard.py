@@ -31,16 +31,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner
-from lossguard.agent.control.server import (
-    ControlServer,
-    answered_before,
-    serve_control,
-    socket_is_live,
-)
 from lossguard.agent.distributed import broadcast_objects, control_group, rank_and_world
 from lossguard.agent.recovery import (
     DETECTOR_STATE,
@@ -50,7 +43,6 @@ from lossguard.agent.recovery import (
     Stateful,
     TrainProgress,
 )
-from lossguard.agent.rundir import RunDirectory, package_versions, set_aside
 from lossguard.agent.stop_signals import StopSignals
 from lossguard.agent.telemetry.collector import (
     SignalStats,
@@ -64,8 +56,22 @@ from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
-from lossguard.common.protocol import SOCKET_NAME, ErrorCode, SkipBatches, Target, parse_target
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.common.control.protocol import (
+    SOCKET_NAME,
+    ErrorCode,
+    SkipBatches,
+    Target,
+    parse_target,
+)
+from lossguard.common.control.server import (
+    ControlServer,
+    answered_before,
+    serve_control,
+    socket_is_live,
+)
+from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints
+from lossguard.common.rundir.directory import RunDirectory, package_versions, set_aside
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 log = logging.getLogger("lossguard.agent")
 T = TypeVar("T")

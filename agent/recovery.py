@@ -16,13 +16,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lossguard.agent.checkpoint.meta import CheckpointMeta
 from lossguard.agent.checkpoint.snapshot import snapshot
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.distributed import all_gather_objects, all_reduce_max, broadcast_objects
 from lossguard.agent.rng import capture_rng, restore_rng
 from lossguard.agent.telemetry.collector import Telemetry
-from lossguard.common.protocol import ABANDONED, SkipBatches, Target
+from lossguard.common.control.protocol import ABANDONED, SkipBatches, Target
+from lossguard.common.rundir.checkpoints import CheckpointMeta
 
 log = logging.getLogger("lossguard.agent")
 

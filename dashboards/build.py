@@ -1,7 +1,7 @@
 """lossguard's Grafana dashboards as code (grafana-foundation-sdk): ``python -m dashboards.build``
 writes ``dashboards/json/<uid>.json`` for the run, fleet and monitor dashboards. Every query reads
 a Prometheus datasource variable, ``${datasource}``, that provisioning binds; every metric name is
-one of the catalogues' (common/catalogue.py, monitor/metrics.py, monitor/supervisor/metrics.py),
+one of the catalogues' (common/catalogue.py, monitor/metrics.py, supervisor/metrics.py),
 which tests/test_dashboards.py checks, along with the committed JSON being current."""
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from prometheus_client import generate_latest
 from rich.console import Console
 from rich.table import Table
 
-from lossguard.agent.telemetry.registry import AgentMetrics
 from lossguard.common.catalogue import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS
+from lossguard.common.registry import AgentMetrics
 from lossguard.monitor.daemon import RETENTION_MARGIN_S
 from lossguard.monitor.promql import Value
 from lossguard.monitor.rules.rulefile import (

@@ -15,9 +15,9 @@ from typing import Any
 from lossguard.monitor.actions.engine import Actions
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionRecord
-from lossguard.monitor.api import MonitorServer
 from lossguard.monitor.config import MonitorConfig, webhook_token
-from lossguard.monitor.http_api import api_routes
+from lossguard.monitor.http.read_api import api_routes
+from lossguard.monitor.http.server import MonitorServer
 from lossguard.monitor.metrics import MonitorMetrics
 from lossguard.monitor.notify.config import read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer

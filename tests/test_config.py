@@ -120,7 +120,7 @@ def test_cli_bad_config_is_one_line_and_exit_2(
 
 def test_torch_free_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, lossguard.agent, lossguard.agent.config, lossguard.agent.train.data, "
+        "import sys, lossguard.agent, lossguard.agent.config, lossguard.agent.train.corpus, "
         "lossguard.agent.cli, lossguard.monitor\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

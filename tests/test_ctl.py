@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 
 from lossguard.agent.control.ctl import main
-from lossguard.common.control_client import (
+from lossguard.common.control.client import (
     MAX_REPLY_BYTES,
     ControlClient,
     ControlError,
     ControlTimeout,
     ControlUnavailable,
 )
-from lossguard.common.protocol import (
+from lossguard.common.control.protocol import (
     SOCKET_NAME,
     ErrorCode,
     ProtocolError,
@@ -631,7 +631,7 @@ def test_console_script_is_installed(unix_agent: FakeAgent) -> None:
 
 def test_ctl_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, lossguard.agent.control.ctl, lossguard.common.control_client\n"
+        "import sys, lossguard.agent.control.ctl, lossguard.common.control.client\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -15,6 +15,7 @@ PACKAGES = {
     "common": "lossguard.common",
     "agent": "lossguard.agent",
     "monitor": "lossguard.monitor",
+    "supervisor": "lossguard.supervisor",
 }
 
 

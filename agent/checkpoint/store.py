@@ -22,14 +22,7 @@ from typing import Any
 
 import torch
 
-from lossguard.agent.checkpoint.files import (
-    fsync_dir,
-    remove,
-    sha256_file,
-    write_json_synced,
-    write_synced,
-)
-from lossguard.agent.checkpoint.meta import (
+from lossguard.common.rundir.checkpoints import (
     META_FILE,
     NAME_RE,
     STATE_FILE,
@@ -39,8 +32,15 @@ from lossguard.agent.checkpoint.meta import (
     meta_fields,
     one_line,
 )
-from lossguard.agent.checkpoint.targets import NAMED_TARGETS, SUPERSEDED, is_superseded, ordered
-from lossguard.agent.rundir import package_versions
+from lossguard.common.rundir.directory import package_versions
+from lossguard.common.rundir.files import (
+    fsync_dir,
+    remove,
+    sha256_file,
+    write_json_synced,
+    write_synced,
+)
+from lossguard.common.rundir.targets import NAMED_TARGETS, SUPERSEDED, is_superseded, ordered
 
 _HIDDEN_PREFIXES = (".tmp-", ".trash-")
 

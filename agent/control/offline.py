@@ -12,11 +12,11 @@ from typing import Any
 
 import yaml
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, list_checkpoints
-from lossguard.agent.checkpoint.targets import listing, ordered
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo
-from lossguard.common.metrics_log import last_logged
-from lossguard.common.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+from lossguard.common.rundir.agent_file import AGENT_FILE, AgentInfo
+from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, list_checkpoints
+from lossguard.common.rundir.metrics_log import last_logged
+from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+from lossguard.common.rundir.targets import listing, ordered
 
 BUILT_IN_TRAINER = ("lossguard-agent", "lossguard/agent/cli.py")
 """How ``env.json``'s ``argv[0]`` ends for a run of ``lossguard-agent run``."""

@@ -22,8 +22,8 @@ from torch import nn
 from lossguard.agent.config import Config
 from lossguard.agent.guard import Guard
 from lossguard.agent.recovery import OnSaved, RestoreError, Stateful
-from lossguard.common.protocol import ABANDONED, SkipBatches, Target
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.common.control.protocol import ABANDONED, SkipBatches, Target
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 log = logging.getLogger("lossguard.agent")
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lossguard.agent.config import FaultConfig
-from lossguard.agent.train.data import Batch
+from lossguard.agent.train.corpus import Batch
 
 log = logging.getLogger("lossguard.agent")
 

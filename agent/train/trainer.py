@@ -18,7 +18,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lossguard.agent.config import Config
-from lossguard.agent.control.server import socket_is_live
 from lossguard.agent.distributed import (
     all_reduce_sum,
     barrier,
@@ -28,13 +27,14 @@ from lossguard.agent.distributed import (
 )
 from lossguard.agent.guard import Guard, resume_target
 from lossguard.agent.precision import autocast, convert_to_fp8, make_grad_scaler
-from lossguard.agent.train.data import Batch, BatchSampler, load_data
+from lossguard.agent.train.corpus import Batch, BatchSampler, load_data
 from lossguard.agent.train.faults import FaultInjector
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.optim import WeightEma, build_optimizer, build_scheduler
 from lossguard.common.config import ConfigError
-from lossguard.common.protocol import SOCKET_NAME, Target
+from lossguard.common.control.protocol import SOCKET_NAME, Target
+from lossguard.common.control.server import socket_is_live
 
 log = logging.getLogger("lossguard.agent")
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from lossguard.common.config import Section
-from lossguard.common.protocol import parse_target
+from lossguard.common.control.protocol import parse_target
 from lossguard.monitor.validation import seconds
 
 ACTION_LABEL = "action"

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from lossguard.common.control_client import ControlClient, ControlError, ControlUnavailable
+from lossguard.common.control.client import ControlClient, ControlError, ControlUnavailable
 from lossguard.monitor.demo.inbox import Inbox
 from lossguard.monitor.demo.scenario import (
     GROUP_INTERVAL,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lossguard.common.jsonl import json_object
+from lossguard.common.rundir.jsonl import json_object
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.store import ActionStore

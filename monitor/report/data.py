@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, list_checkpoints
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo
-from lossguard.common.supervisor_file import pid_alive
+from lossguard.common.rundir.agent_file import AGENT_FILE, AgentInfo
+from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, list_checkpoints
+from lossguard.common.rundir.supervisor_file import pid_alive
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.report import marks
 from lossguard.monitor.report.history import AlertSpan, HistoryError, monitor_history

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lossguard.common.jsonl import json_object
+from lossguard.common.rundir.jsonl import json_object
 
 
 @dataclass(frozen=True)

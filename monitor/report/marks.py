@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lossguard.agent.checkpoint.meta import CheckpointMeta
-from lossguard.agent.checkpoint.targets import is_superseded, ordered
+from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.rundir.targets import is_superseded, ordered
 
 READ_ONLY_COMMANDS = ("status", "checkpoints")
 """Commands that change nothing: not marked."""

@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lossguard.agent.control.server import (
+from lossguard.common import __version__
+from lossguard.common.control.protocol import SUPERVISOR_COMMAND_ARGS, ok_reply
+from lossguard.common.control.server import (
     ControlServer,
     ListenError,
     PendingCommand,
     answered_before,
 )
-from lossguard.agent.rundir import RunDirectory, write_atomically
-from lossguard.common import __version__
-from lossguard.common.protocol import SUPERVISOR_COMMAND_ARGS, ok_reply
-from lossguard.common.supervisor_file import (
+from lossguard.common.rundir.directory import RunDirectory, write_atomically
+from lossguard.common.rundir.supervisor_file import (
     RESUME_ENV,
     SUPERVISOR_FILE,
     SUPERVISOR_SOCKET,
@@ -37,14 +37,14 @@ from lossguard.common.supervisor_file import (
     SupervisorState,
     pid_alive,
 )
-from lossguard.monitor.supervisor.budget import RestartBudget
-from lossguard.monitor.supervisor.metrics import SupervisorMetrics
-from lossguard.monitor.supervisor.process import (
+from lossguard.supervisor.budget import RestartBudget
+from lossguard.supervisor.metrics import SupervisorMetrics
+from lossguard.supervisor.process import (
     TrainingProcess,
     describe_status,
     end_leftover_group,
 )
-from lossguard.monitor.supervisor.resume import ResumePlanner, step_reached
+from lossguard.supervisor.resume import ResumePlanner, step_reached
 
 log = logging.getLogger("lossguard.supervisor")
 POLL_S = 0.2

@@ -1,6 +1,6 @@
 """The monitor's HTTP server (standard library ``http.server``, one daemon thread): ``/metrics``,
 ``/healthz``, ``/api/status``, Alertmanager's webhook ``POST /api/v1/alertmanager`` and the
-read API of :mod:`lossguard.monitor.http_api`. Each endpoint is one entry of a route table:
+read API of :mod:`lossguard.monitor.http.read_api`. Each endpoint is one entry of a route table:
 ``(method, path)`` -> a function from :class:`Request` to :class:`Response`; a path may hold
 ``{name}`` segments, handed to the route as ``Request.params``.
 
@@ -24,11 +24,11 @@ from urllib.parse import parse_qs, unquote
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from lossguard.common.config import ConfigError
-from lossguard.common.protocol import encode
+from lossguard.common.control.protocol import encode
 from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_webhook
 from lossguard.monitor.actions.policy import ACTION_LABEL
 
-log = logging.getLogger("lossguard.monitor.api")
+log = logging.getLogger("lossguard.monitor.http.server")
 
 Health = Callable[[], tuple[bool, dict[str, object]]]
 Status = Callable[[], dict[str, object]]

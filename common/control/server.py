@@ -21,7 +21,7 @@ from typing import Any
 
 from lossguard.agent.config import ControlConfig
 from lossguard.common.config import ConfigError
-from lossguard.common.protocol import (
+from lossguard.common.control.protocol import (
     COMMAND_ARGS,
     MAX_LINE_BYTES,
     SOCKET_NAME,

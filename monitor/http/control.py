@@ -13,15 +13,22 @@ import logging
 import uuid
 from pathlib import Path
 
-from lossguard.common.control_client import ControlError, ControlTimeout, ControlUnavailable
-from lossguard.common.protocol import ErrorCode, ProtocolError, encode, parse_request
-from lossguard.common.protocol import Request as Command
+from lossguard.common.control.client import ControlError, ControlTimeout, ControlUnavailable
+from lossguard.common.control.protocol import ErrorCode, ProtocolError, encode, parse_request
+from lossguard.common.control.protocol import Request as Command
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
-from lossguard.monitor.api import Request, Response, Route, api_data, api_error, bearer_refusal
+from lossguard.monitor.http.server import (
+    Request,
+    Response,
+    Route,
+    api_data,
+    api_error,
+    bearer_refusal,
+)
 from lossguard.monitor.runs import read_runs
 from lossguard.monitor.sources.scrape import one_line
 
-log = logging.getLogger("lossguard.monitor.api")
+log = logging.getLogger("lossguard.monitor.http.server")
 BODY_FIELDS = ("id", "cmd", "args")
 
 

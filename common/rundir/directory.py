@@ -19,10 +19,10 @@ from typing import IO, Any
 
 import yaml
 
-from lossguard.agent.checkpoint.files import fsync_dir
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR
 from lossguard.common import __version__
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo, RunExit
+from lossguard.common.rundir.agent_file import AGENT_FILE, AgentInfo, RunExit
+from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR
+from lossguard.common.rundir.files import fsync_dir
 
 RECORDED_PACKAGES = ("torch", "torchao", "numpy", "pydantic", "prometheus-client", "nvidia-ml-py")
 RUN_RECORDS = (CHECKPOINT_DIR, "metrics.jsonl", "events.jsonl", "config.yaml", "env.json")

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.common.jsonl import json_object
+from lossguard.common.rundir.jsonl import json_object
 
 METRICS_LOG = "metrics.jsonl"
 TAIL_BYTES = 64 * 1024
