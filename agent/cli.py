@@ -1,4 +1,4 @@
-"""``lossguard-agent``: run a training job or benchmark one."""
+"""``lossguard-agent``: run a training job or benchmark one, or check a config."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start run.id over although it has checkpoints (the old run is moved aside)",
     )
+
+    check = sub.add_parser("check", help="validate a config and print it resolved (YAML)")
+    add_config_args(check)
 
     bench = sub.add_parser("bench", help="measure tokens/s and step time")
     add_config_args(bench)
@@ -148,6 +151,13 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
     return EXIT_OK
 
 
+def _check(args: argparse.Namespace, cfg: Config) -> int:
+    import yaml
+
+    print(yaml.safe_dump(cfg.resolved(), sort_keys=False), end="")
+    return EXIT_OK
+
+
 def _bench(args: argparse.Namespace, cfg: Config) -> int:
     from lossguard.agent.train.bench import (
         checkpoint_table,
@@ -185,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
-        handler = _run if args.command == "run" else _bench
+        handler = {"run": _run, "check": _check, "bench": _bench}[args.command]
         return handler(args, cfg)
     except ConfigError as exc:
         print(f"lossguard-agent: error: {exc}", file=sys.stderr)

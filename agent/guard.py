@@ -34,6 +34,7 @@ from torch import nn
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner
+from lossguard.agent.control.serve import serve_control
 from lossguard.agent.distributed import broadcast_objects, control_group, rank_and_world
 from lossguard.agent.recovery import (
     DETECTOR_STATE,
@@ -66,7 +67,6 @@ from lossguard.common.control.protocol import (
 from lossguard.common.control.server import (
     ControlServer,
     answered_before,
-    serve_control,
     socket_is_live,
 )
 from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lossguard.common.cli import EXIT_FAILED, EXIT_OK
+from lossguard.common.config import seconds
 from lossguard.common.console import setup_logging
 from lossguard.common.control.client import (
     ControlClient,
@@ -24,7 +25,6 @@ from lossguard.common.control.client import (
     ControlUnavailable,
 )
 from lossguard.common.rundir.supervisor_file import SUPERVISOR_SOCKET
-from lossguard.monitor.validation import seconds
 from lossguard.supervisor.supervisor import (
     Supervisor,
     SupervisorError,

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from lossguard.common.config import seconds
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
 from lossguard.monitor.actions.endpoints import Endpoints
@@ -25,7 +26,6 @@ from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
 from lossguard.monitor.state import StateStore
-from lossguard.monitor.validation import seconds
 
 log = logging.getLogger("lossguard.monitor.actions")
 EVENTS_FILE = "events.jsonl"

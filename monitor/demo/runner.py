@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+from lossguard.common.config import seconds
 from lossguard.common.control.client import ControlClient, ControlError, ControlUnavailable
 from lossguard.monitor.demo.inbox import Inbox
 from lossguard.monitor.demo.scenario import (
@@ -31,7 +32,6 @@ from lossguard.monitor.demo.scenario import (
 from lossguard.monitor.demo.summary import Places, Story, build_story, summary_lines
 from lossguard.monitor.demo.view import LiveView, PlainView, View, use_plain
 from lossguard.monitor.demo.watch import Happening, Watcher
-from lossguard.monitor.validation import seconds
 
 POLL_S = 0.25
 TIME_LIMIT_S = 900.0  # the story normally ends within minutes; a run that never recovers stops
