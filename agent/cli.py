@@ -113,8 +113,8 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 
 
 def _run(args: argparse.Namespace, cfg: Config) -> int:
-    from lossguard.agent.guard import CheckpointsExist
     from lossguard.agent.recovery import RestoreError
+    from lossguard.agent.startup import CheckpointsExist
     from lossguard.agent.train.trainer import Trainer
 
     resume = _resume_target(args)

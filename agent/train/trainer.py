@@ -25,8 +25,9 @@ from lossguard.agent.distributed import (
     setup_distributed,
     teardown_distributed,
 )
-from lossguard.agent.guard import Guard, resume_target
+from lossguard.agent.guard import Guard
 from lossguard.agent.precision import autocast, convert_to_fp8, make_grad_scaler
+from lossguard.agent.startup import resume_target
 from lossguard.agent.train.corpus import Batch, BatchSampler, load_data
 from lossguard.agent.train.faults import FaultInjector
 from lossguard.agent.train.flops import flops_per_token
