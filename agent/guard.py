@@ -61,6 +61,7 @@ from lossguard.common.control.protocol import ErrorCode, SkipBatches, Target
 from lossguard.common.control.server import ControlServer
 from lossguard.common.rundir.checkpoints import CheckpointMeta
 from lossguard.common.rundir.directory import RunDirectory
+from lossguard.common.rundir.events import CLOSE, COMMAND, OVERWRITTEN, RESUMED, SIGNAL, START
 
 log = logging.getLogger("lossguard.agent")
 
@@ -214,9 +215,9 @@ class Guard:
             world_size=self.world_size,
         )
         if self.rank == 0:
-            self.event("start", **start_fields(self.control, self.world_size))
+            self.event(START, **start_fields(self.control, self.world_size))
         if moved is not None:
-            self.event("overwritten", moved_to=str(moved[0]), checkpoints=moved[1])
+            self.event(OVERWRITTEN, moved_to=str(moved[0]), checkpoints=moved[1])
         self.signals.install()
         if start.target is not None:
             self._resume(start)
@@ -231,7 +232,7 @@ class Guard:
         except BaseException:
             self.close(failed=True)
             raise
-        self.event("resumed", **start.audit(), **restored)
+        self.event(RESUMED, **start.audit(), **restored)
         if self.rank == 0:
             start.log_resumed(restored)
 
@@ -346,7 +347,7 @@ class Guard:
                     wait=self.paused, signalled=self.signals.pending
                 )
             if signalled and not self.stop_requested:
-                self.event("signal", signal=self.signals.name)
+                self.event(SIGNAL, signal=self.signals.name)
                 self.commands.stop(reason="signal")
             for request, pending in commands:
                 self.commands.apply(request, pending)
@@ -495,7 +496,7 @@ class Guard:
     def _record_rejected(self, request_id: str | None, code: ErrorCode, message: str) -> None:
         if request_id is not None:  # a command we could identify; garbage lines are not events
             self.event(
-                "command", id=request_id, ok=False, error={"code": code.value, "message": message}
+                COMMAND, id=request_id, ok=False, error={"code": code.value, "message": message}
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -514,7 +515,7 @@ class Guard:
             sink.close()
         self.sinks = []
         if self.run_dir is not None:
-            self.event("close", stop_requested=self.stop_requested)
+            self.event(CLOSE, stop_requested=self.stop_requested)
             self.run_dir.mark_finished(
                 "failed" if failed else "stopped" if self.stop_requested else "completed"
             )

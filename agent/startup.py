@@ -22,15 +22,16 @@ from lossguard.agent.telemetry.collector import Telemetry
 from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
-from lossguard.common.control.protocol import SOCKET_NAME, Target, parse_target
+from lossguard.common.control.protocol import Target, parse_target
 from lossguard.common.control.server import (
     ControlServer,
     RejectHook,
     answered_before,
     socket_is_live,
 )
-from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, list_checkpoints
+from lossguard.common.rundir.checkpoints import list_checkpoints
 from lossguard.common.rundir.directory import RunDirectory, package_versions, set_aside
+from lossguard.common.rundir.names import CHECKPOINT_DIR, CONFIG_FILE, SOCKET_NAME
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 log = logging.getLogger("lossguard.agent")
@@ -221,7 +222,7 @@ def open_run(
     and ``agent.json``. ``progress``: (max_steps, step) for the progress display; None: no
     display."""
     path = run_dir.path
-    continuing = (path / "config.yaml").exists()
+    continuing = (path / CONFIG_FILE).exists()
     # these fail before any file is written
     control = serve_control(
         config.control, path, on_reject, answered=answered_before(run_dir.read_events())

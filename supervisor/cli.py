@@ -24,7 +24,7 @@ from lossguard.common.control.client import (
     ControlTimeout,
     ControlUnavailable,
 )
-from lossguard.common.rundir.supervisor_file import SUPERVISOR_SOCKET
+from lossguard.common.rundir.names import SUPERVISOR_SOCKET
 from lossguard.supervisor.supervisor import (
     Supervisor,
     SupervisorError,

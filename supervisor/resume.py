@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints
+from lossguard.common.rundir.checkpoints import CheckpointMeta, list_checkpoints
 from lossguard.common.rundir.metrics_log import last_logged
+from lossguard.common.rundir.names import CHECKPOINT_DIR
 from lossguard.common.rundir.targets import ordered
 
 

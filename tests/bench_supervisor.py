@@ -37,9 +37,9 @@ from rich.console import Console
 from rich.table import Table
 
 from lossguard.common.control.client import ControlClient
-from lossguard.common.control.protocol import SOCKET_NAME
-from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, STATE_FILE, list_checkpoints
+from lossguard.common.rundir.checkpoints import STATE_FILE, list_checkpoints
 from lossguard.common.rundir.metrics_log import last_logged
+from lossguard.common.rundir.names import CHECKPOINT_DIR, SOCKET_NAME
 from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
 from tests.bench_recovery import fired_at, records, shipped_monitor
 from tests.conftest import (

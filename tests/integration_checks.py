@@ -19,7 +19,7 @@ from torch import nn
 
 from lossguard.agent.recovery import weights_digest
 from lossguard.common.control.client import ControlClient, ControlError
-from lossguard.common.control.protocol import SOCKET_NAME
+from lossguard.common.rundir.names import SOCKET_NAME
 from lossguard.monitor.sources.discovery import discover_agents
 
 from .conftest import count_host_reads, events, step_records, wait_for

@@ -27,7 +27,6 @@ from lossguard.common.control.client import (
     ControlUnavailable,
 )
 from lossguard.common.control.protocol import (
-    SOCKET_NAME,
     ErrorCode,
     ProtocolError,
     Request,
@@ -36,6 +35,7 @@ from lossguard.common.control.protocol import (
     ok_reply,
     parse_request,
 )
+from lossguard.common.rundir.names import SOCKET_NAME
 
 TOKEN = "s3cret-token-4f9a1c"
 CREATED = 1_700_000_000.0

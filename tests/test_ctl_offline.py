@@ -25,7 +25,8 @@ from lossguard.agent.control.ctl import main
 from lossguard.agent.control.offline import resume_command
 from lossguard.common.control.client import ControlClient
 from lossguard.common.rundir.agent_file import AgentInfo
-from lossguard.common.rundir.supervisor_file import SUPERVISOR_FILE, SupervisorInfo
+from lossguard.common.rundir.names import SUPERVISOR_FILE
+from lossguard.common.rundir.supervisor_file import SupervisorInfo
 
 from .conftest import REPO, events, start_agent, tiny_settings, wait_for, write_config
 

@@ -25,6 +25,7 @@ from lossguard.common.control.protocol import (
 )
 from lossguard.common.control.server import ControlServer, PendingCommand
 from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.rundir.events import COMMAND
 from lossguard.common.rundir.targets import listing
 
 log = logging.getLogger("lossguard.agent")
@@ -118,7 +119,7 @@ class CommandRunner:
             else:
                 message = ok_reply(request.id, outcome)
             self.target.event(
-                "command",
+                COMMAND,
                 id=request.id,
                 cmd=request.cmd,
                 args=request.args,

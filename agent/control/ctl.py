@@ -22,14 +22,8 @@ from lossguard.common.control.client import (
     ControlTimeout,
     ControlUnavailable,
 )
-from lossguard.common.control.protocol import (
-    ABANDONED,
-    COMMAND_ARGS,
-    SOCKET_NAME,
-    ProtocolError,
-    validate_args,
-)
-from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR
+from lossguard.common.control.protocol import ABANDONED, COMMAND_ARGS, ProtocolError, validate_args
+from lossguard.common.rundir.names import CHECKPOINT_DIR, SOCKET_NAME
 
 EXIT_REFUSED = 1
 EXIT_UNREACHABLE = 3

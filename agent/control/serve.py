@@ -8,8 +8,8 @@ from pathlib import Path
 
 from lossguard.agent.config import ControlConfig
 from lossguard.common.config import ConfigError
-from lossguard.common.control.protocol import SOCKET_NAME
 from lossguard.common.control.server import ControlServer, ListenError, PendingCommand, RejectHook
+from lossguard.common.rundir.names import SOCKET_NAME
 
 
 def serve_control(

@@ -14,6 +14,7 @@ import torch
 from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_stats
 from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
+from lossguard.common.rundir.events import NONFINITE
 
 
 class IntervalLog:
@@ -104,7 +105,7 @@ class IntervalLog:
         context = self._context(totals, step)
         candidates = []
         for event, fields in found:
-            signal_name, nonfinite = fields["signal"], event == "nonfinite"
+            signal_name, nonfinite = fields["signal"], event == NONFINITE
             diagnosis = diagnose(signal_name, nonfinite=nonfinite, stats=stats, context=context)
             self.event(event, **fields, diagnosis=diagnosis)
             if nonfinite and not self.telemetry.detectors[signal_name].nonfinite_opens_episode:

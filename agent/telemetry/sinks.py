@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from lossguard.agent.telemetry.progress import ProgressDisplay
 from lossguard.agent.telemetry.wandb_logger import WandbLogger
-from lossguard.common.rundir.directory import JsonlLog
+from lossguard.common.rundir.jsonl import JsonlLog
 
 
 class Sink(Protocol):

@@ -34,8 +34,9 @@ from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.optim import WeightEma, build_optimizer, build_scheduler
 from lossguard.common.config import ConfigError
-from lossguard.common.control.protocol import SOCKET_NAME, Target
+from lossguard.common.control.protocol import Target
 from lossguard.common.control.server import socket_is_live
+from lossguard.common.rundir.names import CONFIG_FILE, SOCKET_NAME
 
 log = logging.getLogger("lossguard.agent")
 
@@ -112,7 +113,7 @@ class Trainer:
         cfg.run.id = broadcast_from_main(cfg.run.id or new_run_id())
         self.cfg = cfg
         self.run_path = cfg.run.dir / str(cfg.run.id)
-        if resuming and not (self.run_path / "config.yaml").exists():
+        if resuming and not (self.run_path / CONFIG_FILE).exists():
             raise ConfigError(f"run.id: no run directory {self.run_path} to resume")
         if resuming and socket_is_live(self.run_path / SOCKET_NAME):
             raise ConfigError(

@@ -31,6 +31,7 @@ from lossguard.common.control.protocol import (
     ok_reply,
     parse_request,
 )
+from lossguard.common.rundir.events import COMMAND
 
 log = logging.getLogger("lossguard.agent.control")
 
@@ -316,7 +317,7 @@ def answered_before(events: Iterable[Mapping[str, Any]]) -> list[PendingCommand]
     repeats one of their ids after a restart gets that reply, and nothing is applied twice."""
     answered = []
     for event in events:
-        if event.get("event") != "command" or "cmd" not in event:
+        if event.get("event") != COMMAND or "cmd" not in event:
             continue  # requests refused before they were queued are not remembered
         request = Request(str(event["id"]), event["cmd"], event.get("args") or {})
         if event["ok"]:

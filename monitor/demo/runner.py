@@ -17,6 +17,8 @@ from typing import TextIO
 
 from lossguard.common.config import seconds
 from lossguard.common.control.client import ControlClient, ControlError, ControlUnavailable
+from lossguard.common.rundir.events import ROLLBACK
+from lossguard.common.rundir.names import SOCKET_NAME
 from lossguard.monitor.demo.inbox import Inbox
 from lossguard.monitor.demo.scenario import (
     GROUP_INTERVAL,
@@ -221,7 +223,7 @@ class Demo:
 
     def _recovered(self) -> bool:
         """Rolled back and evaluated at or past ``steps`` since the last rollback."""
-        rollbacks = [e for e in self.watcher.events if e.get("event") == "rollback"]
+        rollbacks = [e for e in self.watcher.events if e.get("event") == ROLLBACK]
         if not rollbacks:
             return False
         since = rollbacks[-1]["time"]
@@ -235,7 +237,7 @@ class Demo:
         self._tell(f"stopping the run: {why} (the stop command: save, exit)")
         try:
             with ControlClient(
-                socket_path=self.files.run_dir / "control.sock", timeout=STOP_TIMEOUT_S
+                socket_path=self.files.run_dir / SOCKET_NAME, timeout=STOP_TIMEOUT_S
             ) as client:
                 client.request("stop", request_id="demo-stop")
         except (ControlError, ControlUnavailable, OSError) as exc:

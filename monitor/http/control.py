@@ -17,7 +17,7 @@ from lossguard.common.control.client import ControlError, ControlTimeout, Contro
 from lossguard.common.control.protocol import ErrorCode, ProtocolError, encode, parse_request
 from lossguard.common.control.protocol import Request as Command
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
-from lossguard.monitor.http.server import (
+from lossguard.monitor.http.messages import (
     Request,
     Response,
     Route,
@@ -26,9 +26,9 @@ from lossguard.monitor.http.server import (
     bearer_refusal,
 )
 from lossguard.monitor.runs import read_runs
-from lossguard.monitor.sources.scrape import one_line
+from lossguard.monitor.sources.scrape import printable_line
 
-log = logging.getLogger("lossguard.monitor.http.server")
+log = logging.getLogger("lossguard.monitor.api")
 BODY_FIELDS = ("id", "cmd", "args")
 
 
@@ -77,7 +77,7 @@ def control_route(
         except (ControlUnavailable, NoEndpoint, OSError) as exc:
             log.warning("control %s: not delivered: %s", command.id, exc)
             return api_error(503, f"not delivered: {exc}", data=answer)
-        log.info("control %s: applied: %s", command.id, one_line(json.dumps(result), 300))
+        log.info("control %s: applied: %s", command.id, printable_line(json.dumps(result), 300))
         return api_data({**answer, "result": result})
 
     return control

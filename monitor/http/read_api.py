@@ -8,15 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, list_checkpoints
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.names import CHECKPOINT_DIR
 from lossguard.common.rundir.targets import NAMED_TARGETS, is_superseded, ordered
 from lossguard.monitor.actions.endpoints import Endpoints
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.http.control import control_route
-from lossguard.monitor.http.server import Request, Response, Routes, api_data, api_error
+from lossguard.monitor.http.messages import Request, Response, Routes, api_data, api_error
 from lossguard.monitor.runs import RunsView, read_runs
 from lossguard.monitor.state import StateStore
-from lossguard.monitor.status import action_json, active_alerts
+from lossguard.monitor.views import action_json, active_alerts
 
 RUNS_PATH = "/api/v1/runs"
 DEFAULT_LIMIT = 100

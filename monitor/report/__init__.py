@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.common.rundir.directory import write_atomically
+from lossguard.common.rundir.files import write_atomically
 from lossguard.monitor.report.data import ReportError, read_run
 
 HTML_NAME = "report.html"

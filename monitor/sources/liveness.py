@@ -13,9 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.common.rundir.agent_file import AGENT_FILE, AgentInfo
-from lossguard.common.rundir.checkpoints import CHECKPOINT_DIR, list_checkpoints
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.checkpoints import list_checkpoints
 from lossguard.common.rundir.metrics_log import LastLogged, last_logged
+from lossguard.common.rundir.names import AGENT_FILE, CHECKPOINT_DIR
 from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
 from lossguard.common.rundir.targets import ordered
 
