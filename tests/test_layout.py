@@ -9,6 +9,7 @@ import ast
 import graphlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,14 +35,14 @@ def module_files() -> dict[str, Path]:
     return modules
 
 
-def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
-    """The lossguard modules that ``path`` imports anywhere in it (function bodies and
-    TYPE_CHECKING blocks included: a circle through either is still a circle)."""
+def import_statements(path: Path, name: str) -> Iterator[tuple[str, list[str]]]:
+    """``(module, names)`` for each import in ``path``, anywhere in it (function bodies and
+    TYPE_CHECKING blocks included); relative imports resolved against ``name``; ``names``:
+    what ``from module import ...`` names (empty for ``import module``)."""
     is_package = path.name == "__init__.py"
-    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            yield from ((alias.name, []) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: resolve against this module's package
@@ -49,9 +50,19 @@ def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
                 for _ in range(node.level - 1):
                     package = package.rpartition(".")[0]
                 base = f"{package}.{base}".rstrip(".")
-            for alias in node.names:
-                candidate = f"{base}.{alias.name}"
-                found.add(candidate if candidate in known else base)
+            yield base, [alias.name for alias in node.names]
+
+
+def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
+    """The lossguard modules that ``path`` imports anywhere in it (a circle through a function
+    body or a TYPE_CHECKING block is still a circle)."""
+    found: set[str] = set()
+    for base, names in import_statements(path, name):
+        if not names:
+            found.add(base)
+        for alias in names:
+            candidate = f"{base}.{alias}"
+            found.add(candidate if candidate in known else base)
     return {module for module in found if module in known and module != name}
 
 
@@ -78,21 +89,8 @@ def test_the_circle_check_sees_a_circle(tmp_path: Path) -> None:
 
 
 def lossguard_imports(path: Path, name: str) -> set[str]:
-    """Every ``lossguard`` module that ``path`` names in an import, anywhere in it (relative
-    imports resolved against ``name``), whether or not it exists."""
-    is_package = path.name == "__init__.py"
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                package = name if is_package else name.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    package = package.rpartition(".")[0]
-                base = f"{package}.{base}".rstrip(".")
-            found.add(base)
+    """Every ``lossguard`` module that ``path`` names in an import, whether or not it exists."""
+    found = {module for module, _ in import_statements(path, name)}
     return {module for module in found if module == "lossguard" or module.startswith("lossguard.")}
 
 
