@@ -1,13 +1,12 @@
-"""The monitor's HTTP server (standard library ``http.server``, one daemon thread), serving a
-route table: the ops routes of :mod:`lossguard.monitor.http.ops` (``/metrics``, ``/healthz``,
-``/api/status``, Alertmanager's webhook) and the read API of
-:mod:`lossguard.monitor.http.read_api`. Each endpoint is one entry of the table:
+"""The monitor's HTTP server (standard library ``http.server``, one daemon thread): ``/metrics``,
+``/healthz``, ``/api/status``, Alertmanager's webhook ``POST /api/v1/alertmanager`` and the
+read API of :mod:`lossguard.monitor.http_api`. Each endpoint is one entry of a route table:
 ``(method, path)`` -> a function from :class:`Request` to :class:`Response`; a path may hold
 ``{name}`` segments, handed to the route as ``Request.params``.
 
 Under ``/api/`` errors are JSON, shaped as Prometheus's HTTP API shapes them:
 ``{"status": "error", "errorType": ..., "error": "one line"}``; answers are
-``{"status": "success", "data": ...}`` (:func:`~lossguard.monitor.http.messages.api_data`)."""
+``{"status": "success", "data": ...}`` (:func:`api_data`)."""
 
 from __future__ import annotations
 
