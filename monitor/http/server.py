@@ -1,6 +1,6 @@
 """The monitor's HTTP server (standard library ``http.server``, one daemon thread): ``/metrics``,
 ``/healthz``, ``/api/status``, Alertmanager's webhook ``POST /api/v1/alertmanager`` and the
-read API of :mod:`lossguard.monitor.http_api`. Each endpoint is one entry of a route table:
+read API of :mod:`lossguard.monitor.http.read_api`. Each endpoint is one entry of a table:
 ``(method, path)`` -> a function from :class:`Request` to :class:`Response`; a path may hold
 ``{name}`` segments, handed to the route as ``Request.params``.
 
