@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lossguard.agent.checkpoint.meta import CheckpointError, read_meta
 from lossguard.agent.config import parse_config
 from lossguard.common.config import ConfigError
+from lossguard.common.rundir.checkpoints import CheckpointError, read_meta
 from tests.conftest import (
     REPO,
     events,

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from lossguard.agent.checkpoint.files import write_synced
-from lossguard.agent.checkpoint.meta import DCP_FORMAT, CheckpointMeta
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
+from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta
+from lossguard.common.rundir.files import write_synced
 
 log = logging.getLogger("lossguard.agent.checkpoint")
 
