@@ -19,7 +19,7 @@ from lossguard.common.protocol import Request as Command
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
 from lossguard.monitor.api import Request, Response, Route, api_data, api_error, bearer_refusal
 from lossguard.monitor.runs import read_runs
-from lossguard.monitor.sources.scrape import one_line
+from lossguard.monitor.sources.fetch import one_line
 
 log = logging.getLogger("lossguard.monitor.api")
 BODY_FIELDS = ("id", "cmd", "args")

@@ -8,7 +8,6 @@ import struct
 import threading
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from lossguard.monitor.promql.matchers import Matcher
@@ -40,39 +39,71 @@ def _doubles() -> array[float]:
     return array("d")
 
 
-@dataclass
-class _Series:
-    """One series' samples as C doubles: 16 bytes a sample."""
+class Series:
+    """One stored series: its label set and its samples as C doubles (16 bytes a sample).
+    A writer may keep the handle across scrapes; :meth:`MemoryStorage.append` revives a
+    series that :meth:`MemoryStorage.truncate` forgot meanwhile."""
 
-    labels: dict[str, str]
-    times: array[float] = field(default_factory=_doubles)
-    values: array[float] = field(default_factory=_doubles)
+    __slots__ = ("key", "stored", "times", "values")
+
+    def __init__(self, key: Labels) -> None:
+        self.key = key
+        self.times = _doubles()
+        self.values = _doubles()
+        self.stored = True  # False once truncate forgot it
+
+    def label(self, name: str) -> str:
+        """The value of label ``name`` ("" when absent)."""
+        for key, value in self.key:
+            if key == name:
+                return value
+        return ""
 
 
 class MemoryStorage:
     """Samples in memory, per series sorted by time; a sample at an existing time replaces it.
 
-    Series are indexed by metric name, so a selector naming its metric scans only that name's
-    series. Safe to share between threads: one ingesting, others selecting.
+    Each label set is stored once, as one :class:`Series` whose label names, values and pairs
+    are interned (shared by every series that has them); a scrape of an unchanged label set
+    only appends to its series. Series are indexed by metric name, so a selector naming its
+    metric scans only that name's series. Safe to share between threads: one ingesting, others
+    selecting.
     """
 
     def __init__(self) -> None:
-        self._series: dict[Labels, _Series] = {}
-        self._by_name: dict[str, dict[Labels, _Series]] = {}
+        self._series: dict[Labels, Series] = {}
+        self._by_name: dict[str, dict[Labels, Series]] = {}
+        self._pairs: dict[tuple[str, str], tuple[str, str]] = {}
         self._oldest = math.inf  # no sample is older than this
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._series)
 
     def add(self, labels: Labels | Mapping[str, str], t: float, value: float) -> None:
         key = make_labels(labels)
         with self._lock:
-            self._put(key, t, value)
+            self._put(self._get(key), t, value)
 
     def add_many(self, samples: Iterable[tuple[Labels, float]], t: float) -> None:
         """Add samples that share the time ``t``; their labels must already be normalised
         (as :func:`make_labels` returns them)."""
         with self._lock:
             for key, value in samples:
-                self._put(key, t, value)
+                self._put(self._get(key), t, value)
+
+    def series(self, key: Labels) -> Series:
+        """The handle of the series ``key`` (normalised labels), created empty if new."""
+        with self._lock:
+            return self._get(key)
+
+    def append(self, samples: Iterable[tuple[Series, float]], t: float) -> None:
+        """Add samples at the time ``t`` to series by handle."""
+        with self._lock:
+            for series, value in samples:
+                if not series.stored:
+                    series = self._get(series.key)
+                self._put(series, t, value)
 
     def mark_stale(self, labels: Labels | Mapping[str, str], t: float) -> None:
         """End the series at ``t`` (as Prometheus does when a target stops exposing it)."""
@@ -84,14 +115,18 @@ class MemoryStorage:
             if before <= self._oldest:
                 return
             oldest = math.inf
-            for key, series in list(self._series.items()):
+            forgotten = False
+            for series in list(self._series.values()):
                 cut = bisect.bisect_left(series.times, before)
                 del series.times[:cut], series.values[:cut]
                 if series.times:
                     oldest = min(oldest, series.times[0])
                 else:
-                    self._forget(key)
+                    self._forget(series)
+                    forgotten = True
             self._oldest = oldest
+            if forgotten:  # the interned pairs of the series left
+                self._pairs = {pair: pair for key in self._series for pair in key}
 
     def select(
         self, matchers: list[Matcher], start: float, end: float, *, latest: bool = False
@@ -99,7 +134,7 @@ class MemoryStorage:
         found = []
         with self._lock:
             for key, series in self._candidates(matchers).items():
-                if all(m.matches(series.labels.get(m.name, "")) for m in matchers):
+                if all(m.matches(series.label(m.name)) for m in matchers):
                     hi = bisect.bisect_right(series.times, end)
                     lo = max(hi - 1, 0) if latest else bisect.bisect_left(series.times, start)
                     if lo < hi and series.times[lo] >= start:
@@ -107,11 +142,16 @@ class MemoryStorage:
                         found.append((key, samples))
         return iter(found)
 
-    def _put(self, key: Labels, t: float, value: float) -> None:
+    def _get(self, key: Labels) -> Series:
         series = self._series.get(key)
         if series is None:
-            series = self._series[key] = _Series(dict(key))
-            self._by_name.setdefault(series.labels.get(METRIC_NAME, ""), {})[key] = series
+            pairs = self._pairs
+            key = tuple([pairs.setdefault(pair, pair) for pair in key])
+            series = self._series[key] = Series(key)
+            self._by_name.setdefault(series.label(METRIC_NAME), {})[key] = series
+        return series
+
+    def _put(self, series: Series, t: float, value: float) -> None:
         times = series.times
         if not times or t > times[-1]:
             times.append(t)
@@ -126,15 +166,16 @@ class MemoryStorage:
         if t < self._oldest:
             self._oldest = t
 
-    def _forget(self, key: Labels) -> None:
-        series = self._series.pop(key)
-        name = series.labels.get(METRIC_NAME, "")
+    def _forget(self, series: Series) -> None:
+        series.stored = False
+        del self._series[series.key]
+        name = series.label(METRIC_NAME)
         same_name = self._by_name[name]
-        del same_name[key]
+        del same_name[series.key]
         if not same_name:
             del self._by_name[name]
 
-    def _candidates(self, matchers: list[Matcher]) -> dict[Labels, _Series]:
+    def _candidates(self, matchers: list[Matcher]) -> dict[Labels, Series]:
         """The series worth testing: one name's, when a matcher fixes the name."""
         for matcher in matchers:
             if matcher.name == METRIC_NAME and matcher.op == "=":
