@@ -13,7 +13,6 @@ import base64
 import errno
 import os
 import ssl
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import unquote, urlsplit
 
@@ -43,6 +42,115 @@ class _Closed(Exception):
     """The server closed a reused connection before answering: send again on a new one."""
 
 
+class _Answer:
+    """One HTTP answer being read: its head once complete, then its body."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.body_at = -1  # where the body starts, once the head is complete
+        self.code = self.reason = ""
+        self.length: int | None = None  # Content-Length
+        self.chunked = False
+        self.keep_alive = True
+
+    def complete(self, eof: bool) -> bytes | None:
+        """The body once the answer is complete (None before); ValueError if malformed."""
+        if self.body_at < 0:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > HEADER_LIMIT:
+                    raise ValueError("the answer's head is too long")
+                return None
+            self._head(bytes(self.buffer[:end]).decode("latin-1"))
+            self.body_at = end + 4
+        body = self.buffer[self.body_at :]
+        if self.chunked:
+            return _dechunk(bytes(body)) if body.endswith(b"0\r\n\r\n") or eof else None
+        if self.length is not None:
+            return bytes(body[: self.length]) if len(body) >= self.length else None
+        return bytes(body) if eof else None
+
+    def _head(self, head: str) -> None:
+        status_line, *lines = head.split("\r\n")
+        version, _, rest = status_line.partition(" ")
+        self.code, _, self.reason = rest.partition(" ")
+        headers = {}
+        for line in lines:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        self.keep_alive = version == "HTTP/1.1" and headers.get("connection", "") != "close"
+        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        if not self.chunked and "content-length" in headers:
+            self.length = int(headers["content-length"])
+        elif not self.chunked:
+            self.keep_alive = False  # the body ends with the connection
+
+
+def _dechunk(data: bytes) -> bytes:
+    """A complete chunked body's content (ValueError if it is not one)."""
+    parts: list[bytes] = []
+    at = 0
+    while True:
+        end = data.index(b"\r\n", at)
+        size = int(data[at:end].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(parts)
+        parts.append(data[end + 2 : end + 2 + size])
+        at = end + 4 + size
+
+
+class _Protocol(asyncio.Protocol):
+    """A connection's reading side: completes the pending answer's future."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.answer: _Answer | None = None
+        self.waiter: asyncio.Future[bytes] | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.answer is not None:
+            self.answer.buffer += data
+            self._check(eof=False)
+
+    def eof_received(self) -> bool | None:
+        self._end(None)
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(exc)
+
+    def _end(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.answer is None or self.waiter is None or self._check(eof=True):
+            return
+        if not self.answer.buffer and exc is None:
+            self.waiter.set_exception(_Closed())
+        elif isinstance(exc, OSError):
+            self.waiter.set_exception(exc)
+        else:
+            self.waiter.set_exception(ScrapeError("connection closed before the answer ended"))
+
+    def _check(self, eof: bool) -> bool:
+        """Complete the waiter if the answer is complete; whether it is done."""
+        assert self.answer is not None and self.waiter is not None
+        if self.waiter.done():
+            return True
+        try:
+            body = self.answer.complete(eof)
+        except ValueError as exc:
+            self.waiter.set_exception(ScrapeError(f"bad HTTP answer: {one_line(str(exc))}"))
+            return True
+        if body is not None:
+            self.waiter.set_result(body)
+        return body is not None
+
+
 class Connection:
     """One target's connection: ``GET url`` with the scrape headers, reconnecting as needed."""
 
@@ -64,96 +172,69 @@ class Connection:
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         lines = [f"GET {target} HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
         self.request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._protocol: _Protocol | None = None
 
     async def get(self) -> bytes:
         """The body of a 200 answer within the timeout; ScrapeError otherwise."""
-        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        task = asyncio.current_task()
+        assert task is not None
+        timer = loop.call_at(deadline, task.cancel)
         try:
-            return await asyncio.wait_for(self._get(), self.timeout_s)
-        except TimeoutError:
+            return await self._get(loop)
+        except asyncio.CancelledError:
             self.close()
+            if loop.time() < deadline:
+                raise
+            task.uncancel()
             raise ScrapeError(f"timed out after {self.timeout_s:g} s") from None
         except ScrapeError:
             self.close()
             raise
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+        except OSError as exc:
             self.close()
-            if isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED:
+            if exc.errno == errno.ECONNREFUSED:
                 raise ScrapeError("connection refused") from None
-            if isinstance(exc, OSError) and (exc.errno or exc.strerror):
-                raise ScrapeError(os_error(exc)) from None
-            reason = "connection closed before the answer ended"
-            if time.perf_counter() - started >= self.timeout_s:
-                reason = f"timed out after {self.timeout_s:g} s"
-            raise ScrapeError(reason) from None
+            raise ScrapeError(os_error(exc)) from None
+        finally:
+            timer.cancel()
 
-    async def _get(self) -> bytes:
-        if self._streams is not None:
+    async def _get(self, loop: asyncio.AbstractEventLoop) -> bytes:
+        if self._protocol is not None and not self._protocol.lost:
             try:
-                return await self._exchange(*self._streams)
+                return await self._exchange(loop, self._protocol)
             except _Closed:
                 self.close()
-        self._streams = await asyncio.open_connection(
+        _, protocol = await loop.create_connection(
+            _Protocol,
             self.host,
             self.port,
             ssl=ssl.create_default_context() if self.tls else None,
-            limit=HEADER_LIMIT,
         )
+        self._protocol = protocol
         try:
-            return await self._exchange(*self._streams)
+            return await self._exchange(loop, protocol)
         except _Closed:
             raise ScrapeError("connection closed before the answer") from None
 
-    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
-        writer.write(self.request)
-        try:
-            await writer.drain()
-            head = await reader.readuntil(b"\r\n\r\n")
-        except (ConnectionResetError, BrokenPipeError):
-            raise _Closed() from None
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise
-            raise _Closed() from None
-        status_line, *header_lines = head.decode("latin-1").split("\r\n")
-        version, _, rest = status_line.partition(" ")
-        code, _, reason = rest.partition(" ")
-        headers = {}
-        for line in header_lines:
-            name, sep, value = line.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
-        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            body = await _chunked(reader)
-        elif "content-length" in headers:
-            body = await reader.readexactly(int(headers["content-length"]))
-        else:
-            body, keep = await reader.read(), False
-        if not keep:
+    async def _exchange(self, loop: asyncio.AbstractEventLoop, protocol: _Protocol) -> bytes:
+        assert protocol.transport is not None
+        answer = protocol.answer = _Answer()
+        protocol.waiter = loop.create_future()
+        protocol.transport.write(self.request)
+        body = await protocol.waiter
+        if not answer.keep_alive:
             self.close()
-        if code != "200":
-            raise ScrapeError(f"HTTP {code} {reason}".rstrip())
+        if answer.code != "200":
+            raise ScrapeError(f"HTTP {answer.code} {answer.reason}".rstrip())
         return body
 
     def close(self) -> None:
-        if self._streams is not None:
-            self._streams[1].close()
-            self._streams = None
-
-
-async def _chunked(reader: asyncio.StreamReader) -> bytes:
-    """A chunked body (trailers skipped)."""
-    parts: list[bytes] = []
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        if size == 0:
-            while await reader.readuntil(b"\r\n") != b"\r\n":
-                pass
-            return b"".join(parts)
-        parts.append(await reader.readexactly(size))
-        await reader.readexactly(2)
+        if self._protocol is not None:
+            if self._protocol.transport is not None:
+                self._protocol.transport.close()
+            self._protocol = None
 
 
 class ScrapeLoop:
@@ -170,13 +251,13 @@ class ScrapeLoop:
             self.loop.run_until_complete(self._all(jobs))
 
     async def _all(self, jobs: Sequence[Callable[[], Awaitable[None]]]) -> None:
-        gate = asyncio.Semaphore(self.limit)
+        queue = iter(jobs)
 
-        async def bounded(job: Callable[[], Awaitable[None]]) -> None:
-            async with gate:
+        async def worker() -> None:
+            for job in queue:
                 await job()
 
-        await asyncio.gather(*(bounded(job) for job in jobs))
+        await asyncio.gather(*(worker() for _ in range(min(self.limit, len(jobs)))))
 
     def close(self, connections: Sequence[Connection]) -> None:
         """Close ``connections`` and the loop."""
