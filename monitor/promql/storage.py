@@ -7,7 +7,7 @@ import math
 import struct
 import threading
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from lossguard.monitor.promql.matchers import Matcher
@@ -27,20 +27,22 @@ class Storage(Protocol):
     """A source of raw samples."""
 
     def select(
-        self, matchers: list[Matcher], start: float, end: float, *, latest: bool = False
-    ) -> Iterable[tuple[Labels, list[tuple[float, float]]]]:
-        """Series matching all ``matchers`` with their samples ``(t_seconds, value)`` in
-        ``[start, end]``, sorted by time; staleness markers included as :data:`STALE_NAN`.
-        With ``latest``, only the last sample of each series in the window."""
+        self, matchers: list[Matcher], start_ms: float, end_ms: float, *, latest: bool = False
+    ) -> Iterable[tuple[Labels, list[tuple[int, float]]]]:
+        """Series matching all ``matchers`` with their samples ``(t_ms, value)`` in
+        ``[start_ms, end_ms]`` (milliseconds), sorted by time; staleness markers included as
+        :data:`STALE_NAN`. With ``latest``, only the last sample of each series in the window."""
         ...
 
 
-def _doubles() -> array[float]:
-    return array("d")
+def _milliseconds(t: float) -> int:
+    """A time in seconds as Prometheus's integer milliseconds."""
+    return round(t * 1000)
 
 
 class Series:
-    """One stored series: its label set and its samples as C doubles (16 bytes a sample).
+    """One stored series: its label set and its samples as C numbers (integer milliseconds
+    and doubles: 16 bytes a sample).
     A writer may keep the handle across scrapes; :meth:`MemoryStorage.append` revives a
     series that :meth:`MemoryStorage.truncate` forgot meanwhile."""
 
@@ -48,8 +50,8 @@ class Series:
 
     def __init__(self, key: Labels) -> None:
         self.key = key
-        self.times = _doubles()
-        self.values = _doubles()
+        self.times = array("q")
+        self.values = array("d")
         self.stored = True  # False once truncate forgot it
 
     def label(self, name: str) -> str:
@@ -81,16 +83,18 @@ class MemoryStorage:
         return len(self._series)
 
     def add(self, labels: Labels | Mapping[str, str], t: float, value: float) -> None:
+        """Add one sample at ``t`` (seconds)."""
         key = make_labels(labels)
         with self._lock:
-            self._put(self._get(key), t, value)
+            self._put(self._get(key), _milliseconds(t), value)
 
     def add_many(self, samples: Iterable[tuple[Labels, float]], t: float) -> None:
-        """Add samples that share the time ``t``; their labels must already be normalised
-        (as :func:`make_labels` returns them)."""
+        """Add samples that share the time ``t`` (seconds); their labels must already be
+        normalised (as :func:`make_labels` returns them)."""
+        ms = _milliseconds(t)
         with self._lock:
             for key, value in samples:
-                self._put(self._get(key), t, value)
+                self._put(self._get(key), ms, value)
 
     def series(self, key: Labels) -> Series:
         """The handle of the series ``key`` (normalised labels), created empty if new."""
@@ -98,19 +102,28 @@ class MemoryStorage:
             return self._get(key)
 
     def append(self, samples: Iterable[tuple[Series, float]], t: float) -> None:
-        """Add samples at the time ``t`` to series by handle."""
+        """Add samples at the time ``t`` (seconds) to series by handle."""
+        ms = _milliseconds(t)
         with self._lock:
             for series, value in samples:
                 if not series.stored:
                     series = self._get(series.key)
-                self._put(series, t, value)
+                times = series.times
+                if times and times[-1] >= ms:
+                    self._put(series, ms, value)
+                else:
+                    times.append(ms)
+                    series.values.append(value)
+            if ms < self._oldest:
+                self._oldest = ms
 
     def mark_stale(self, labels: Labels | Mapping[str, str], t: float) -> None:
         """End the series at ``t`` (as Prometheus does when a target stops exposing it)."""
         self.add(labels, t, STALE_NAN)
 
     def truncate(self, before: float) -> None:
-        """Forget samples older than ``before``, and series left without samples."""
+        """Forget samples older than ``before`` (seconds), and series left without samples."""
+        before = _milliseconds(before)
         with self._lock:
             if before <= self._oldest:
                 return
@@ -129,18 +142,20 @@ class MemoryStorage:
                 self._pairs = {pair: pair for key in self._series for pair in key}
 
     def select(
-        self, matchers: list[Matcher], start: float, end: float, *, latest: bool = False
-    ) -> Iterator[tuple[Labels, list[tuple[float, float]]]]:
+        self, matchers: list[Matcher], start_ms: float, end_ms: float, *, latest: bool = False
+    ) -> list[tuple[Labels, list[tuple[int, float]]]]:
         found = []
         with self._lock:
-            for key, series in self._candidates(matchers).items():
-                if all(m.matches(series.label(m.name)) for m in matchers):
-                    hi = bisect.bisect_right(series.times, end)
-                    lo = max(hi - 1, 0) if latest else bisect.bisect_left(series.times, start)
-                    if lo < hi and series.times[lo] >= start:
-                        samples = list(zip(series.times[lo:hi], series.values[lo:hi], strict=True))
-                        found.append((key, samples))
-        return iter(found)
+            candidates, rest = self._candidates(matchers)
+            for key, series in candidates.items():
+                if rest and not all(m.matches(series.label(m.name)) for m in rest):
+                    continue
+                times = series.times
+                hi = bisect.bisect_right(times, end_ms)
+                lo = max(hi - 1, 0) if latest else bisect.bisect_left(times, start_ms)
+                if lo < hi and times[lo] >= start_ms:
+                    found.append((key, list(zip(times[lo:hi], series.values[lo:hi], strict=True))))
+        return found
 
     def _get(self, key: Labels) -> Series:
         series = self._series.get(key)
@@ -151,7 +166,7 @@ class MemoryStorage:
             self._by_name.setdefault(series.label(METRIC_NAME), {})[key] = series
         return series
 
-    def _put(self, series: Series, t: float, value: float) -> None:
+    def _put(self, series: Series, t: int, value: float) -> None:
         times = series.times
         if not times or t > times[-1]:
             times.append(t)
@@ -175,9 +190,11 @@ class MemoryStorage:
         if not same_name:
             del self._by_name[name]
 
-    def _candidates(self, matchers: list[Matcher]) -> dict[Labels, Series]:
-        """The series worth testing: one name's, when a matcher fixes the name."""
-        for matcher in matchers:
+    def _candidates(self, matchers: list[Matcher]) -> tuple[dict[Labels, Series], list[Matcher]]:
+        """The series worth testing (one name's, when a matcher fixes the name) and the
+        matchers left to test them with."""
+        for index, matcher in enumerate(matchers):
             if matcher.name == METRIC_NAME and matcher.op == "=":
-                return self._by_name.get(matcher.value, {})
-        return self._series
+                rest = matchers[:index] + matchers[index + 1 :]
+                return self._by_name.get(matcher.value, {}), rest
+        return self._series, matchers
