@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from operator import itemgetter
 
 from lossguard.monitor.promql.aggregation import aggregate
 from lossguard.monitor.promql.binops import (
@@ -104,8 +103,7 @@ class _Evaluator:
     ) -> list[tuple[Labels, list[Point]]]:
         """Series by labels with their samples (staleness markers included) in the window;
         with ``latest``, only each series' last sample in it."""
-        found = self.storage.select(list(selector.matchers), start_ms, end_ms, latest=latest)
-        return sorted(found, key=itemgetter(0))
+        return list(self.storage.select(list(selector.matchers), start_ms, end_ms, latest=latest))
 
     def instant(self, selector: VectorSelector) -> list[Sample]:
         """The latest sample at most the lookback old, unless it is a staleness marker."""

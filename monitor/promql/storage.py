@@ -29,9 +29,10 @@ class Storage(Protocol):
     def select(
         self, matchers: list[Matcher], start_ms: float, end_ms: float, *, latest: bool = False
     ) -> Iterable[tuple[Labels, list[tuple[int, float]]]]:
-        """Series matching all ``matchers`` with their samples ``(t_ms, value)`` in
-        ``[start_ms, end_ms]`` (milliseconds), sorted by time; staleness markers included as
-        :data:`STALE_NAN`. With ``latest``, only the last sample of each series in the window."""
+        """Series matching all ``matchers``, in label order, with their samples
+        ``(t_ms, value)`` in ``[start_ms, end_ms]`` (milliseconds), sorted by time; staleness
+        markers included as :data:`STALE_NAN`. With ``latest``, only the last sample of each
+        series in the window."""
         ...
 
 
@@ -75,6 +76,7 @@ class MemoryStorage:
     def __init__(self) -> None:
         self._series: dict[Labels, Series] = {}
         self._by_name: dict[str, dict[Labels, Series]] = {}
+        self._sorted: dict[str, list[Series]] = {}  # a name's series in label order, as selected
         self._pairs: dict[tuple[str, str], tuple[str, str]] = {}
         self._oldest = math.inf  # no sample is older than this
         self._lock = threading.Lock()
@@ -147,14 +149,20 @@ class MemoryStorage:
         found = []
         with self._lock:
             candidates, rest = self._candidates(matchers)
-            for key, series in candidates.items():
-                if rest and not all(m.matches(series.label(m.name)) for m in rest):
+            for series in candidates:
+                if rest and not _matches(series, rest):
                     continue
                 times = series.times
-                hi = bisect.bisect_right(times, end_ms)
-                lo = max(hi - 1, 0) if latest else bisect.bisect_left(times, start_ms)
-                if lo < hi and times[lo] >= start_ms:
-                    found.append((key, list(zip(times[lo:hi], series.values[lo:hi], strict=True))))
+                count = len(times)
+                hi = count if count and times[-1] <= end_ms else bisect.bisect_right(times, end_ms)
+                if latest:
+                    if hi and times[hi - 1] >= start_ms:
+                        found.append((series.key, [(times[hi - 1], series.values[hi - 1])]))
+                    continue
+                lo = bisect.bisect_left(times, start_ms)
+                if lo < hi:
+                    samples = list(zip(times[lo:hi], series.values[lo:hi], strict=True))
+                    found.append((series.key, samples))
         return found
 
     def _get(self, key: Labels) -> Series:
@@ -163,7 +171,9 @@ class MemoryStorage:
             pairs = self._pairs
             key = tuple([pairs.setdefault(pair, pair) for pair in key])
             series = self._series[key] = Series(key)
-            self._by_name.setdefault(series.label(METRIC_NAME), {})[key] = series
+            name = series.label(METRIC_NAME)
+            self._by_name.setdefault(name, {})[key] = series
+            self._sorted.pop(name, None)
         return series
 
     def _put(self, series: Series, t: int, value: float) -> None:
@@ -185,16 +195,29 @@ class MemoryStorage:
         series.stored = False
         del self._series[series.key]
         name = series.label(METRIC_NAME)
+        self._sorted.pop(name, None)
         same_name = self._by_name[name]
         del same_name[series.key]
         if not same_name:
             del self._by_name[name]
 
-    def _candidates(self, matchers: list[Matcher]) -> tuple[dict[Labels, Series], list[Matcher]]:
-        """The series worth testing (one name's, when a matcher fixes the name) and the
-        matchers left to test them with."""
+    def _candidates(self, matchers: list[Matcher]) -> tuple[list[Series], list[Matcher]]:
+        """The series worth testing in label order (one name's, when a matcher fixes the
+        name) and the matchers left to test them with."""
         for index, matcher in enumerate(matchers):
             if matcher.name == METRIC_NAME and matcher.op == "=":
                 rest = matchers[:index] + matchers[index + 1 :]
-                return self._by_name.get(matcher.value, {}), rest
-        return self._series, matchers
+                ordered = self._sorted.get(matcher.value)
+                if ordered is None:
+                    same_name = self._by_name.get(matcher.value, {})
+                    ordered = self._sorted[matcher.value] = _in_order(same_name)
+                return ordered, rest
+        return _in_order(self._series), matchers
+
+
+def _in_order(series: dict[Labels, Series]) -> list[Series]:
+    return [series[key] for key in sorted(series)]
+
+
+def _matches(series: Series, matchers: list[Matcher]) -> bool:
+    return all(matcher.matches(series.label(matcher.name)) for matcher in matchers)
