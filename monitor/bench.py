@@ -1,23 +1,18 @@
 """The monitor's benchmark: the default rules over N simulated agents, scraped and evaluated on
-the daemon's schedule. The agents are served by a child process, so only the monitor's own work
-counts against its CPU share.
+the daemon's schedule, then the same agents, rules and interval under Debian's Prometheus, back
+to back (:mod:`lossguard.monitor.bench_prometheus`). The agents are served by a child process,
+so only each engine's own work counts against its CPU share.
 
-``python -m lossguard.monitor.bench --agents 256 --seconds 30 --interval 1s``
+``python -m lossguard.monitor.bench --agents 256 512 --seconds 30 --interval 1s``
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import functools
 import math
-import os
-import random
 import resource
-import select
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -25,12 +20,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import generate_latest
 from rich.console import Console
 from rich.table import Table
 
-from lossguard.agent.telemetry.registry import AgentMetrics
-from lossguard.common.catalogue import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS
+from lossguard.monitor.bench_fleet import AgentFleet
+from lossguard.monitor.bench_prometheus import (
+    PrometheusBenchResult,
+    prometheus_binary,
+    rss_bytes,
+    run_prometheus_baseline,
+)
 from lossguard.monitor.daemon import RETENTION_MARGIN_S
 from lossguard.monitor.promql import Value
 from lossguard.monitor.rules.rulefile import (
@@ -44,163 +43,8 @@ from lossguard.monitor.rules.ruleset import RuleSet, Schedule
 from lossguard.monitor.sources.scrape import ScrapeSource
 from lossguard.monitor.validation import seconds
 
-HOST = "127.0.0.1"
-LAYERS = ("blocks.0.attn.c_attn", "blocks.5.mlp.c_fc", "blocks.11.mlp.c_proj", "lm_head")
-TOKENS_PER_STEP = 8 * 1024
-CHILD_START_TIMEOUT_S = 60.0
-CHILD_STOP_TIMEOUT_S = 5.0
 SERIES_QUERY = 'count({__name__=~".+"})'
 SAMPLES_QUERY = "sum(scrape_samples_scraped)"
-
-
-class SimulatedAgent:
-    """One GPU agent's catalogue, advanced by one training step at every scrape."""
-
-    def __init__(self, index: int) -> None:
-        self.metrics = AgentMetrics(run_id=f"sim{index:03d}", rank=0, nvml=True)
-        self.random = random.Random(index)
-        self.step = 0
-        self.loss = 10.0
-        m = self.metrics
-        m.set("run_info", 1, model="gpt2-124m", precision="fp8", device="cuda:0",
-              world_size="1", version="0.1.0", git_commit="0000000")  # fmt: skip
-        m.set("step_target", 100_000)
-        m.set("peak_flops", 989e12, source="table")
-        m.set("device_memory_limit_bytes", 80e9)
-        m.set("paused", 0)
-        m.set("checkpoint_in_progress", 0)
-        m.set("checkpoint_timestamp_seconds", time.time())
-        m.observe("checkpoint_save_duration_seconds", 4.2)
-        for kind in CHECKPOINT_KINDS:
-            m.set("checkpoint_step", 0, kind=kind)
-
-    def advance(self) -> None:
-        """One step later: step and tokens grow, loss drifts down, the rest jitters."""
-        m, jitter = self.metrics, self.random.uniform
-        self.step += 1
-        self.loss = max(1.5, self.loss * 0.999 + jitter(-0.02, 0.02))
-        m.set("step", self.step)
-        m.set("last_step_timestamp_seconds", time.time())
-        m.observe("step_duration_seconds", jitter(0.2, 0.4))
-        m.inc("tokens", TOKENS_PER_STEP)
-        m.set("tokens_per_second", TOKENS_PER_STEP / 0.3 * jitter(0.95, 1.05))
-        m.set("model_flops_per_second", 4e14 * jitter(0.95, 1.05))
-        m.set("mfu_ratio", 0.4 * jitter(0.95, 1.05))
-        m.set("train_loss", self.loss)
-        m.set("learning_rate", 3e-4)
-        m.set("grad_norm", jitter(0.5, 1.5))
-        m.set("loss_zscore", jitter(-2, 2))
-        m.set("grad_norm_zscore", jitter(-2, 2))
-        for signal in ("loss", "grad_norm"):
-            m.set("spike_active", 0, signal=signal)
-            m.set("spike_duration_steps", 0, signal=signal)
-        for tensor in FP8_TENSORS:
-            m.set("fp8_amax", jitter(1, 400), tensor=tensor)
-            m.set("fp8_overflow_ratio", jitter(0, 1e-4), tensor=tensor)
-            m.set("fp8_underflow_ratio", jitter(0, 1e-3), tensor=tensor)
-        for kind in MEMORY_KINDS:
-            m.set("device_memory_bytes", 40e9 * jitter(0.9, 1.1), kind=kind)
-        m.set("gpu_utilization_ratio", jitter(0.9, 1.0))
-        m.set("gpu_power_watts", jitter(500, 700))
-        m.set("gpu_temperature_celsius", jitter(60, 75))
-        for layer in LAYERS:
-            m.set("grad_layer_norm", jitter(0.01, 0.5), layer=layer)
-        m.set("grad_vanishing_layers", 0)
-        m.set("grad_exploding_layers", 0)
-        m.set("grad_dead_neuron_ratio", jitter(0, 0.01))
-        if self.step % 100 == 0:
-            for kind in ("latest", "last_good"):
-                m.set("checkpoint_step", self.step, kind=kind)
-            m.set("checkpoint_timestamp_seconds", time.time())
-
-    def exposition(self) -> bytes:
-        self.advance()
-        return generate_latest(self.metrics.registry)
-
-
-async def _answer(
-    agent: SimulatedAgent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
-    """Serve ``/metrics`` (any path) over one keep-alive connection."""
-    try:
-        while True:
-            await reader.readuntil(b"\r\n\r\n")
-            body = agent.exposition()
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            await writer.drain()
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-        pass
-    finally:
-        writer.close()
-
-
-async def serve_agents(count: int) -> None:
-    """Serve ``count`` agents on loopback ports, print their URLs on one line, and run until
-    stdin closes (the parent ended or hung up)."""
-    servers = []
-    for index in range(count):
-        agent = SimulatedAgent(index)
-        servers.append(
-            await asyncio.start_server(functools.partial(_answer, agent), HOST, 0, backlog=64)
-        )
-    ports = [server.sockets[0].getsockname()[1] for server in servers]
-    print(" ".join(f"http://{HOST}:{port}/metrics" for port in ports), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-
-
-class AgentFleet:
-    """The child process serving the simulated agents; a context manager that always ends it."""
-
-    def __init__(self, count: int) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "lossguard.monitor.bench", "--serve-agents", str(count)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def __enter__(self) -> AgentFleet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def urls(self, timeout_s: float = CHILD_START_TIMEOUT_S) -> list[str]:
-        """The agents' URLs, once the child serves them all."""
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
-        line = self.process.stdout.readline() if ready else ""
-        if not line.strip():
-            state = "timed out" if not ready else f"exited {self.process.poll()}"
-            raise RuntimeError(f"the simulated agents did not start ({state})")
-        return line.split()
-
-    def cpu_seconds(self) -> float:
-        """CPU time the child has used so far (user and system; NaN where /proc is missing)."""
-        try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            return math.nan
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def close(self) -> None:
-        """Hang up on the child, then terminate it, then kill it."""
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(CHILD_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.terminate()
-            try:
-                self.process.wait(CHILD_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
 
 
 class TimedScrapeSource(ScrapeSource):
@@ -253,11 +97,22 @@ class MonitorBenchResult:
     targets_up: int
     retention_s: float
     peak_rss_bytes: int
+    rss_start_bytes: int  # the bench process before the first scrape
+    rss_end_bytes: int
 
     @property
     def projected_sample_bytes(self) -> float:
         """Sample memory at full retention: 16 bytes per sample per stored series."""
         return self.series * self.retention_s / self.interval_s * 16
+
+    @property
+    def on_time(self) -> bool:
+        return self.cycles_over_interval == 0
+
+    @property
+    def bytes_per_series(self) -> float:
+        """Resident memory grown per stored series since before the first scrape."""
+        return (self.rss_end_bytes - self.rss_start_bytes) / self.series if self.series else 0
 
 
 def run_benchmark(
@@ -270,55 +125,76 @@ def run_benchmark(
 ) -> MonitorBenchResult:
     """Scrape ``agents`` simulated agents in the background and evaluate the rules on aligned
     ticks, as the daemon does, for ``warmup_cycles`` then ``seconds_measured``."""
+    with AgentFleet(agents) as fleet:
+        return measure_monitor(
+            fleet,
+            seconds_measured=seconds_measured,
+            interval_s=interval_s,
+            rule_files=rule_files,
+            warmup_cycles=warmup_cycles,
+        )
+
+
+def measure_monitor(
+    fleet: AgentFleet,
+    *,
+    seconds_measured: float,
+    interval_s: float,
+    rule_files: Sequence[str | Path],
+    warmup_cycles: int,
+) -> MonitorBenchResult:
+    """:func:`run_benchmark` over the agents of a running ``fleet``."""
     groups = load_rule_files(rule_files)
     ruleset = RuleSet(groups)
     retention_s = longest_range_s(groups) + RETENTION_MARGIN_S
-    with AgentFleet(agents) as fleet:
-        source = TimedScrapeSource(
-            static_targets=fleet.urls(),
-            runs_root=None,
-            interval_s=interval_s,
-            retention_s=retention_s,
-            keep_names=metric_names(groups),
-        )
+    urls = fleet.urls()
+    rss_start = rss_bytes()
+    source = TimedScrapeSource(
+        static_targets=urls,
+        runs_root=None,
+        interval_s=interval_s,
+        retention_s=retention_s,
+        keep_names=metric_names(groups),
+    )
 
-        def query(rule: AlertingRule, t: float) -> Value:
-            return source.query(rule.expr, t)
+    def query(rule: AlertingRule, t: float) -> Value:
+        return source.query(rule.expr, t)
 
-        evaluations: list[float] = []
-        wake = threading.Event()
-        schedule = Schedule(interval_s)
+    evaluations: list[float] = []
+    wake = threading.Event()
+    schedule = Schedule(interval_s)
 
-        def cycle() -> float:
-            """One evaluation of the due groups, as the daemon runs it; its duration."""
-            wake.wait(max(0.0, schedule.wake_time(time.time()) - time.time()))
-            now = time.time()
-            due = schedule.due(groups, now)
-            started = time.perf_counter()
-            ruleset.evaluate(query, now, groups=due)
-            schedule.done(groups, due, now)
-            return time.perf_counter() - started
+    def cycle() -> float:
+        """One evaluation of the due groups, as the daemon runs it; its duration."""
+        wake.wait(max(0.0, schedule.wake_time(time.time()) - time.time()))
+        now = time.time()
+        due = schedule.due(groups, now)
+        started = time.perf_counter()
+        ruleset.evaluate(query, now, groups=due)
+        schedule.done(groups, due, now)
+        return time.perf_counter() - started
 
-        source.start()
-        try:
-            for _ in range(warmup_cycles):
-                cycle()
-            scrapes_before = len(source.cycle_seconds)
-            cpu_start, wall_start = time.process_time(), time.perf_counter()
-            agents_cpu_start = fleet.cpu_seconds()
-            end = time.time() + seconds_measured
-            while schedule.wake_time(time.time()) <= end:
-                evaluations.append(cycle())
-            cpu, wall = time.process_time() - cpu_start, time.perf_counter() - wall_start
-            agents_cpu = fleet.cpu_seconds() - agents_cpu_start
-            scrapes = source.cycle_seconds[scrapes_before:]
-            statuses = source.targets()
-            series = _count(source, SERIES_QUERY)
-            samples = _count(source, SAMPLES_QUERY)
-        finally:
-            source.close()
+    source.start()
+    try:
+        for _ in range(warmup_cycles):
+            cycle()
+        scrapes_before = len(source.cycle_seconds)
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        agents_cpu_start = fleet.cpu_seconds()
+        end = time.time() + seconds_measured
+        while schedule.wake_time(time.time()) <= end:
+            evaluations.append(cycle())
+        cpu, wall = time.process_time() - cpu_start, time.perf_counter() - wall_start
+        agents_cpu = fleet.cpu_seconds() - agents_cpu_start
+        scrapes = source.cycle_seconds[scrapes_before:]
+        statuses = source.targets()
+        series = _count(source, SERIES_QUERY)
+        samples = _count(source, SAMPLES_QUERY)
+        rss_end = rss_bytes()
+    finally:
+        source.close()
     return MonitorBenchResult(
-        agents=agents,
+        agents=len(urls),
         rules=len(ruleset.rules),
         interval_s=interval_s,
         wall_s=wall,
@@ -334,6 +210,8 @@ def run_benchmark(
         targets_up=sum(1 for status in statuses if status.up),
         retention_s=retention_s,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        rss_start_bytes=rss_start,
+        rss_end_bytes=rss_end,
     )
 
 
@@ -341,6 +219,92 @@ def _count(source: ScrapeSource, expr: str) -> int:
     """The single value of an aggregating ``expr`` now (0 when it finds nothing)."""
     found = source.query(expr, time.time())
     return int(found[0].value) if isinstance(found, list) and found else 0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Both engines over one fleet, back to back (Prometheus None where not run)."""
+
+    monitor: MonitorBenchResult
+    prometheus: PrometheusBenchResult | None
+
+    @property
+    def cpu_ratio(self) -> float:
+        """The monitor's CPU over Prometheus's (NaN without Prometheus)."""
+        if self.prometheus is None or not self.prometheus.cpu_share > 0:
+            return math.nan
+        return self.monitor.cpu_share / self.prometheus.cpu_share
+
+    @property
+    def memory_ratio(self) -> float:
+        """The monitor's memory per stored series over Prometheus's."""
+        if self.prometheus is None or not self.prometheus.bytes_per_series > 0:
+            return math.nan
+        return self.monitor.bytes_per_series / self.prometheus.bytes_per_series
+
+
+def compare(
+    *,
+    agents: int,
+    seconds_measured: float,
+    interval_s: float,
+    rule_files: Sequence[str | Path],
+    warmup_cycles: int,
+    prometheus: bool = True,
+) -> Comparison:
+    """The monitor, then Prometheus, over one fleet of ``agents``, each for
+    ``seconds_measured`` after ``warmup_cycles``."""
+    with AgentFleet(agents) as fleet:
+        options = {
+            "seconds_measured": seconds_measured,
+            "interval_s": interval_s,
+            "rule_files": rule_files,
+            "warmup_cycles": warmup_cycles,
+        }
+        monitor = measure_monitor(fleet, **options)  # type: ignore[arg-type]
+        baseline = run_prometheus_baseline(fleet.urls(), **options) if prometheus else None  # type: ignore[arg-type]
+    return Comparison(monitor, baseline)
+
+
+def comparison_table(rows: Sequence[Comparison]) -> Table:
+    """One row per engine and fleet size."""
+    table = Table(title="lossguard-monitor and Prometheus: the same agents, rules and interval")
+    for column in (
+        "agents", "interval", "engine", "CPU (of a core)", "CPU per cycle", "monitor / Prometheus",
+        "on time", "evaluation p50 / max", "scrape cycle p50 / max", "series", "RSS",
+        "bytes per series",
+    ):  # fmt: skip
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    for row in rows:
+        m, p = row.monitor, row.prometheus
+        table.add_row(
+            str(m.agents), f"{m.interval_s:g} s", "lossguard-monitor", f"{m.cpu_share:.1%}",
+            _ms(m.cpu_share * m.interval_s), f"{row.cpu_ratio:.2f}x CPU", _yes(m.on_time),
+            f"{_ms(m.evaluation.p50)} / {_ms(m.evaluation.max)}",
+            f"{_ms(m.scrape.p50)} / {_ms(m.scrape.max)}", f"{m.series:,}",
+            _mib(m.rss_end_bytes), f"{m.bytes_per_series:,.0f}",
+        )  # fmt: skip
+        if p is not None:
+            table.add_row(
+                "", "", f"prometheus {p.version}", f"{p.cpu_share:.1%}",
+                _ms(p.cpu_share * p.interval_s), f"{row.memory_ratio:.2f}x memory/series",
+                _yes(p.on_time), f"p99 {_ms(p.rule_group_p99_s)}",
+                f"interval p99 {_ms(p.scrape_interval_p99_s)}", f"{p.series:,}",
+                _mib(p.rss_end_bytes), f"{p.bytes_per_series:,.0f}",
+            )  # fmt: skip
+    return table
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _mib(size: float) -> str:
+    return f"{size / 2**20:.0f} MiB"
+
+
+def _yes(on_time: bool) -> str:
+    return "yes" if on_time else "NO"
 
 
 def results_table(result: MonitorBenchResult) -> Table:
@@ -382,42 +346,57 @@ def _points(latency: Latency) -> tuple[float, float, float]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lossguard.monitor.bench",
-        description="Benchmark the monitor: the rules over simulated agents on a fixed interval.",
+        description="Benchmark the monitor against Prometheus: the rules over simulated agents "
+        "on a fixed interval.",
     )
-    parser.add_argument("--agents", type=int, default=256, help="simulated agents (256)")
+    parser.add_argument(
+        "--agents", type=int, nargs="+", default=[256], help="simulated agents, one run each (256)"
+    )
     parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds (30)")
     parser.add_argument("--interval", default="1s", help="scrape and evaluation interval (1s)")
     parser.add_argument("--warmup", type=int, default=3, help="cycles not measured (3)")
     parser.add_argument(
         "--rules", action="append", help="rule file (repeatable; alerts/lossguard.rules.yml)"
     )
-    parser.add_argument("--serve-agents", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-prometheus", action="store_true", help="the monitor only, no Prometheus baseline"
+    )
+    parser.add_argument(
+        "--details", action="store_true", help="also each monitor run's detailed table"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.serve_agents is not None:
-        asyncio.run(serve_agents(args.serve_agents))
-        return 0
+    console = Console()
+    rows = []
     try:
         interval_s = seconds(args.interval)
-        if args.agents < 1 or not args.seconds > 0 or args.warmup < 0 or not interval_s > 0:
+        if min(args.agents) < 1 or not args.seconds > 0 or args.warmup < 0 or not interval_s > 0:
             raise ValueError("--agents, --seconds and --interval must be positive, --warmup ≥ 0")
-        result = run_benchmark(
-            agents=args.agents,
-            seconds_measured=args.seconds,
-            interval_s=interval_s,
-            rule_files=args.rules or ["alerts/lossguard.rules.yml"],
-            warmup_cycles=args.warmup,
-        )
+        if not args.no_prometheus:
+            prometheus_binary()
+        for agents in args.agents:
+            rows.append(
+                compare(
+                    agents=agents,
+                    seconds_measured=args.seconds,
+                    interval_s=interval_s,
+                    rule_files=args.rules or ["alerts/lossguard.rules.yml"],
+                    warmup_cycles=args.warmup,
+                    prometheus=not args.no_prometheus,
+                )
+            )
+            if args.details:
+                console.print(results_table(rows[-1].monitor))
     except (ValueError, RuleError, RuntimeError) as exc:
         print(f"lossguard.monitor.bench: {exc}", file=sys.stderr)
         return 2
-    console = Console()
-    console.print(results_table(result))
+    console.print(comparison_table(rows))
     command = shlex.join(["python", "-m", "lossguard.monitor.bench", *sys.argv[1:]])
-    console.print(f"command: {command}", highlight=False)
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    console.print(f"command: {command}\nload average at the end: {load}", highlight=False)
     return 0
 
 
