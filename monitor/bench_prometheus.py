@@ -161,12 +161,13 @@ class _Prometheus:
         self.config.write_text(yaml.safe_dump(_config(urls, self.interval_s, self.rule_files)))
         self.process.send_signal(signal.SIGHUP)
 
-    def targets_up(self) -> int:
+    def target_health(self) -> list[str]:
+        """Each active target's health: up, down or unknown (not scraped yet)."""
         try:
             reply = requests.get(f"{self.url}/api/v1/targets", timeout=5).json()
         except (requests.RequestException, ValueError):
-            return 0
-        return sum(1 for t in reply["data"]["activeTargets"] if t["health"] == "up")
+            return []
+        return [target["health"] for target in reply["data"]["activeTargets"]]
 
     def own_metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         """Prometheus's ``/metrics``: samples by name."""
@@ -221,8 +222,11 @@ def run_prometheus_baseline(
             rss_start = rss_bytes(server.process.pid)
             server.scrape_targets(urls)
             server.wait(
-                f"all {len(urls)} targets up",
-                lambda: server.targets_up() == len(urls),
+                f"all {len(urls)} targets scraped",
+                lambda: (
+                    (health := server.target_health()).count("unknown") == 0
+                    and len(health) == len(urls)
+                ),
                 READY_TIMEOUT_S,
             )
             time.sleep(warmup_cycles * interval_s)  # the warm-up: cycles not measured
@@ -246,7 +250,7 @@ def run_prometheus_baseline(
                 rule_group_p99_s=_worst(after, "prometheus_rule_group_duration_seconds", "0.99"),
                 missed_iterations=round(_total(after, missed) - _total(before, missed)),
                 series=round(_total(after, "prometheus_tsdb_head_series")),
-                targets_up=server.targets_up(),
+                targets_up=server.target_health().count("up"),
                 rss_start_bytes=rss_start,
                 rss_end_bytes=rss_end,
             )
