@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from lossguard.agent.telemetry.registry import AgentMetrics
 from lossguard.common.catalogue import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS
 from lossguard.monitor.bench_prometheus import cpu_seconds
+from lossguard.monitor.sources.fetch import raise_open_files_limit
 
 HOST = "127.0.0.1"
 LAYERS = ("blocks.0.attn.c_attn", "blocks.5.mlp.c_fc", "blocks.11.mlp.c_proj", "lm_head")
@@ -157,6 +158,7 @@ async def _answer(
 async def serve_agents(count: int) -> None:
     """Serve ``count`` agents on loopback ports, print their URLs on one line, and run until
     stdin closes (the parent ended or hung up)."""
+    raise_open_files_limit()  # a listening and an accepted socket per agent
     servers = []
     for index in range(count):
         agent = FastExposition(SimulatedAgent(index), index)

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import errno
 import os
+import resource
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import unquote, urlsplit
@@ -237,6 +238,14 @@ class Connection:
             self._protocol = None
 
 
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit on open files to the hard limit, as Go programs such as
+    Prometheus do: each target keeps a connection open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 class ScrapeLoop:
     """Runs scrape jobs concurrently on its own event loop, at most ``limit`` at once; a job is
     a coroutine function that fetches and stores one target."""
@@ -244,6 +253,7 @@ class ScrapeLoop:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.loop = asyncio.new_event_loop()
+        raise_open_files_limit()
 
     def run(self, jobs: Sequence[Callable[[], Awaitable[None]]]) -> None:
         """Run ``jobs``, returning when every one has ended (each handles its own errors)."""

@@ -140,7 +140,9 @@ class _Written:
 
 class ScrapeSource:
     """Scrapes static and discovered agents every ``interval_s`` into memory and answers rule
-    expressions over what it keeps (``retention_s`` of history). Runs whose process died on
+    expressions over what it keeps (``retention_s`` of history). A cycle scrapes its targets
+    concurrently on one event loop, at most ``max_concurrent`` at once, each within
+    ``timeout_s``; only the series named ``keep_names`` are stored. Runs whose process died on
     this host are not scraped: they get a :data:`RUN_EXITED` series until
     ``forget_dead_after_s`` after their last sign of life."""
 
@@ -155,7 +157,7 @@ class ScrapeSource:
         retention_s: float,
         keep_names: frozenset[str] | None = None,
         forget_dead_after_s: float = DEFAULT_FORGET_AFTER_S,
-        max_concurrent: int = 64,
+        max_concurrent: int = 256,
         clock: Callable[[], float] = time.time,
     ) -> None:
         for name, seconds in [
