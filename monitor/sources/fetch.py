@@ -178,15 +178,21 @@ class Connection:
     async def get(self) -> bytes:
         """The body of a 200 answer within the timeout; ScrapeError otherwise."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
         task = asyncio.current_task()
         assert task is not None
-        timer = loop.call_at(deadline, task.cancel)
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        timer = loop.call_later(self.timeout_s, expire)
         try:
             return await self._get(loop)
         except asyncio.CancelledError:
             self.close()
-            if loop.time() < deadline:
+            if not expired:  # cancelled from outside: not this scrape's business
                 raise
             task.uncancel()
             raise ScrapeError(f"timed out after {self.timeout_s:g} s") from None
