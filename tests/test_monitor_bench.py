@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 
 from lossguard.common.catalogue import CATALOGUE
-from lossguard.monitor.bench import compare, comparison_table, results_table, run_benchmark
-from lossguard.monitor.bench_fleet import AgentFleet
+from lossguard.monitor.bench.compare import compare, comparison_table
+from lossguard.monitor.bench.fleet import AgentFleet
+from lossguard.monitor.bench.monitor import results_table, run_benchmark
 from tests.conftest import REPO
 
 AGENTS = 4

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from lossguard.agent.telemetry.registry import AgentMetrics
 from lossguard.common.catalogue import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS
-from lossguard.monitor.bench_prometheus import cpu_seconds
+from lossguard.monitor.bench.prometheus import cpu_seconds
 from lossguard.monitor.sources.fetch import raise_open_files_limit
 
 HOST = "127.0.0.1"
@@ -175,7 +175,7 @@ class AgentFleet:
 
     def __init__(self, count: int) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "lossguard.monitor.bench_fleet", str(count)],
+            [sys.executable, "-m", "lossguard.monitor.bench.fleet", str(count)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

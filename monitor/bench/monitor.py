@@ -1,47 +1,33 @@
-"""The monitor's benchmark: the default rules over N simulated agents, scraped and evaluated on
-the daemon's schedule, then the same agents, rules and interval under Debian's Prometheus, back
-to back (:mod:`lossguard.monitor.bench_prometheus`). The agents are served by a child process,
-so only each engine's own work counts against its CPU share.
-
-``python -m lossguard.monitor.bench --agents 256 512 --seconds 30 --interval 1s``
-"""
+"""The monitor's side of the benchmark: the rules over simulated agents, scraped in the
+background and evaluated on aligned ticks, as the daemon does; its CPU, latencies and memory."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import resource
-import shlex
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from lossguard.monitor.bench_fleet import AgentFleet
-from lossguard.monitor.bench_prometheus import (
-    PrometheusBenchResult,
-    prometheus_binary,
+from lossguard.monitor.bench.fleet import AgentFleet
+from lossguard.monitor.bench.prometheus import (
     rss_bytes,
-    run_prometheus_baseline,
 )
 from lossguard.monitor.daemon import RETENTION_MARGIN_S
 from lossguard.monitor.promql import Value
 from lossguard.monitor.rules.rulefile import (
     AlertingRule,
-    RuleError,
     load_rule_files,
     longest_range_s,
     metric_names,
 )
 from lossguard.monitor.rules.ruleset import RuleSet, Schedule
 from lossguard.monitor.sources.scrape import ScrapeSource
-from lossguard.monitor.validation import seconds
 
 SERIES_QUERY = 'count({__name__=~".+"})'
 SAMPLES_QUERY = "sum(scrape_samples_scraped)"
@@ -224,92 +210,6 @@ def _count(source: ScrapeSource, expr: str) -> int:
     return int(found[0].value) if isinstance(found, list) and found else 0
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """Both engines over one fleet, back to back (Prometheus None where not run)."""
-
-    monitor: MonitorBenchResult
-    prometheus: PrometheusBenchResult | None
-
-    @property
-    def cpu_ratio(self) -> float:
-        """The monitor's CPU over Prometheus's (NaN without Prometheus)."""
-        if self.prometheus is None or not self.prometheus.cpu_share > 0:
-            return math.nan
-        return self.monitor.cpu_share / self.prometheus.cpu_share
-
-    @property
-    def memory_ratio(self) -> float:
-        """The monitor's memory per stored series over Prometheus's."""
-        if self.prometheus is None or not self.prometheus.bytes_per_series > 0:
-            return math.nan
-        return self.monitor.bytes_per_series / self.prometheus.bytes_per_series
-
-
-def compare(
-    *,
-    agents: int,
-    seconds_measured: float,
-    interval_s: float,
-    rule_files: Sequence[str | Path],
-    warmup_cycles: int,
-    prometheus: bool = True,
-) -> Comparison:
-    """The monitor, then Prometheus, over one fleet of ``agents``, each for
-    ``seconds_measured`` after ``warmup_cycles``."""
-    with AgentFleet(agents) as fleet:
-        options = {
-            "seconds_measured": seconds_measured,
-            "interval_s": interval_s,
-            "rule_files": rule_files,
-            "warmup_cycles": warmup_cycles,
-        }
-        monitor = measure_monitor(fleet, **options)  # type: ignore[arg-type]
-        baseline = run_prometheus_baseline(fleet.urls(), **options) if prometheus else None  # type: ignore[arg-type]
-    return Comparison(monitor, baseline)
-
-
-def comparison_table(rows: Sequence[Comparison]) -> Table:
-    """One row per engine and fleet size."""
-    table = Table(title="lossguard-monitor and Prometheus: the same agents, rules and interval")
-    for column in (
-        "agents", "interval", "engine", "CPU (of a core)", "CPU per cycle", "monitor / Prometheus",
-        "on time", "evaluation p50 / max", "scrape cycle p50 / max", "series", "RSS",
-        "bytes per series",
-    ):  # fmt: skip
-        table.add_column(column, justify="left" if column == "engine" else "right")
-    for row in rows:
-        m, p = row.monitor, row.prometheus
-        table.add_row(
-            str(m.agents), f"{m.interval_s:g} s", "lossguard-monitor", f"{m.cpu_share:.1%}",
-            _ms(m.cpu_share * m.interval_s), f"{row.cpu_ratio:.2f}x CPU", _yes(m.on_time),
-            f"{_ms(m.evaluation.p50)} / {_ms(m.evaluation.max)}",
-            f"{_ms(m.scrape.p50)} / {_ms(m.scrape.max)}", f"{m.series:,}",
-            _mib(m.rss_end_bytes), f"{m.bytes_per_series:,.0f}",
-        )  # fmt: skip
-        if p is not None:
-            table.add_row(
-                "", "", f"prometheus {p.version}", f"{p.cpu_share:.1%}",
-                _ms(p.cpu_share * p.interval_s), f"{row.memory_ratio:.2f}x memory/series",
-                _yes(p.on_time), f"p99 {_ms(p.rule_group_p99_s)}",
-                f"interval p99 {_ms(p.scrape_interval_p99_s)}", f"{p.series:,}",
-                _mib(p.rss_end_bytes), f"{p.bytes_per_series:,.0f}",
-            )  # fmt: skip
-    return table
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms"
-
-
-def _mib(size: float) -> str:
-    return f"{size / 2**20:.0f} MiB"
-
-
-def _yes(on_time: bool) -> str:
-    return "yes" if on_time else "NO"
-
-
 def results_table(result: MonitorBenchResult) -> Table:
     def ms(value: float) -> str:
         return f"{value * 1000:.1f} ms"
@@ -344,64 +244,3 @@ def results_table(result: MonitorBenchResult) -> Table:
 
 def _points(latency: Latency) -> tuple[float, float, float]:
     return latency.p50, latency.p95, latency.max
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m lossguard.monitor.bench",
-        description="Benchmark the monitor against Prometheus: the rules over simulated agents "
-        "on a fixed interval.",
-    )
-    parser.add_argument(
-        "--agents", type=int, nargs="+", default=[256], help="simulated agents, one run each (256)"
-    )
-    parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds (30)")
-    parser.add_argument("--interval", default="1s", help="scrape and evaluation interval (1s)")
-    parser.add_argument("--warmup", type=int, default=3, help="cycles not measured (3)")
-    parser.add_argument(
-        "--rules", action="append", help="rule file (repeatable; alerts/lossguard.rules.yml)"
-    )
-    parser.add_argument(
-        "--no-prometheus", action="store_true", help="the monitor only, no Prometheus baseline"
-    )
-    parser.add_argument(
-        "--details", action="store_true", help="also each monitor run's detailed table"
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    console = Console(width=200)  # the comparison is wide; cut, it would say nothing
-    rows = []
-    try:
-        interval_s = seconds(args.interval)
-        if min(args.agents) < 1 or not args.seconds > 0 or args.warmup < 0 or not interval_s > 0:
-            raise ValueError("--agents, --seconds and --interval must be positive, --warmup ≥ 0")
-        if not args.no_prometheus:
-            prometheus_binary()
-        for agents in args.agents:
-            rows.append(
-                compare(
-                    agents=agents,
-                    seconds_measured=args.seconds,
-                    interval_s=interval_s,
-                    rule_files=args.rules or ["alerts/lossguard.rules.yml"],
-                    warmup_cycles=args.warmup,
-                    prometheus=not args.no_prometheus,
-                )
-            )
-            if args.details:
-                console.print(results_table(rows[-1].monitor))
-    except (ValueError, RuleError, RuntimeError) as exc:
-        print(f"lossguard.monitor.bench: {exc}", file=sys.stderr)
-        return 2
-    console.print(comparison_table(rows))
-    command = shlex.join(["python", "-m", "lossguard.monitor.bench", *sys.argv[1:]])
-    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    console.print(f"command: {command}\nload average at the end: {load}", highlight=False)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
