@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from lossguard.common.config import seconds
 from lossguard.monitor.bench.compare import compare, comparison_table
 from lossguard.monitor.bench.monitor import results_table
 from lossguard.monitor.bench.prometheus import (
@@ -21,7 +22,6 @@ from lossguard.monitor.bench.prometheus import (
 from lossguard.monitor.rules.rulefile import (
     RuleError,
 )
-from lossguard.monitor.validation import seconds
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,8 +14,8 @@ import time
 
 from prometheus_client import generate_latest
 
-from lossguard.agent.telemetry.registry import AgentMetrics
 from lossguard.common.catalogue import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS
+from lossguard.common.registry import AgentMetrics
 from lossguard.monitor.bench.prometheus import cpu_seconds
 from lossguard.monitor.sources.fetch import raise_open_files_limit
 

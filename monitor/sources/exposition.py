@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lossguard.monitor.promql import METRIC_NAME, Labels, make_labels
 from lossguard.monitor.promql.storage import MemoryStorage, Series
-from lossguard.monitor.sources.fetch import ScrapeError, one_line
+from lossguard.monitor.sources.fetch import ScrapeError, printable_line
 
 EXPORTED_PREFIX = "exported_"
 _ANY_SAMPLE_LINE = re.compile(r"\n([^#\n][^\n]*)")
@@ -120,7 +120,9 @@ class ExpositionParser:
         try:
             samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
         except (ValueError, IndexError) as exc:
-            raise ScrapeError(f"parse error: {one_line(str(exc)) or 'invalid line'}") from None
+            raise ScrapeError(
+                f"parse error: {printable_line(str(exc)) or 'invalid line'}"
+            ) from None
         lines = [line for line in text.split("\n") if line and line[0] != "#"]
         reusable = len(lines) == len(samples) and not any(line[0].isspace() for line in lines)
         heads: dict[str, Series | None] = {}

@@ -26,7 +26,7 @@ class ScrapeError(Exception):
     """Why one scrape failed, in one line."""
 
 
-def one_line(text: str, limit: int = 200) -> str:
+def printable_line(text: str, limit: int = 200) -> str:
     """``text`` on one line of printable characters, cut at ``limit``."""
     flat = " ".join(text.split())
     flat = "".join(c if c.isprintable() else "?" for c in flat)
@@ -145,7 +145,7 @@ class _Protocol(asyncio.Protocol):
         try:
             body = self.answer.complete(eof)
         except ValueError as exc:
-            self.waiter.set_exception(ScrapeError(f"bad HTTP answer: {one_line(str(exc))}"))
+            self.waiter.set_exception(ScrapeError(f"bad HTTP answer: {printable_line(str(exc))}"))
             return True
         if body is not None:
             self.waiter.set_result(body)

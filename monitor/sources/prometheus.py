@@ -11,7 +11,7 @@ import requests
 from lossguard.monitor.promql import Sample, Value, make_labels
 from lossguard.monitor.sources import SourceError, TargetStatus
 from lossguard.monitor.sources.discovery import instance_of, redact_url
-from lossguard.monitor.sources.fetch import one_line
+from lossguard.monitor.sources.fetch import printable_line
 
 
 def request_error(exc: requests.RequestException, timeout_s: float) -> str:
@@ -23,7 +23,7 @@ def request_error(exc: requests.RequestException, timeout_s: float) -> str:
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror[:1].lower() + cause.strerror[1:]
         cause = cause.__cause__ or cause.__context__
-    return one_line(str(exc))
+    return printable_line(str(exc))
 
 
 class PrometheusSource:
@@ -79,11 +79,11 @@ class PrometheusSource:
             raise SourceError(f"{where}: HTTP {response.status_code}, not a Prometheus API reply")
         if body.get("status") != "success":
             reason = f"{body.get('errorType', 'error')}: {body.get('error', 'no reason given')}"
-            raise SourceError(f"{where}: {one_line(reason, limit=500)}")
+            raise SourceError(f"{where}: {printable_line(reason, limit=500)}")
         try:
             return _value(body["data"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise SourceError(f"{where}: unexpected reply ({one_line(str(exc))})") from None
+            raise SourceError(f"{where}: unexpected reply ({printable_line(str(exc))})") from None
 
     def _record(self, up: bool, error: str | None, started: float) -> None:
         self._status = TargetStatus(
