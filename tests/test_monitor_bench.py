@@ -26,7 +26,8 @@ def test_benchmark_measures_scraping_and_evaluation() -> None:
     assert result.rules > 0
     assert result.eval_cycles >= 3 and result.scrape_cycles >= 3
     assert 0 < result.cpu_share < 2
-    assert 0 < result.agents_cpu_share < 2
+    # the agents' child renders from a template: under a clock tick for 4 agents over 2 s
+    assert math.isfinite(result.agents_cpu_share) and 0 <= result.agents_cpu_share < 2
     assert 0 < result.evaluation.p50 <= result.evaluation.p95 <= result.evaluation.max
     assert 0 < result.scrape.p50 <= result.scrape.p95 <= result.scrape.max
     assert result.targets_up == AGENTS
