@@ -8,14 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from lossguard.agent.config import Config, load_config
-from lossguard.common.cli import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    add_override_option,
-)
+from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, add_override_option
 from lossguard.common.config import ConfigError
+from lossguard.common.exitcodes import EXIT_PERMANENT
 from lossguard.common.protocol import Target, parse_target
 from lossguard.common.supervisor_file import RESUME_ENV
 
@@ -131,12 +126,16 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
         ) from None
     except RestoreError as exc:
         print(f"lossguard-agent: error: cannot resume: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_PERMANENT
     try:
         result = trainer.fit()
-    except BaseException:
+    except KeyboardInterrupt:
         trainer.close(failed=True)
         raise
+    except Exception:
+        trainer.close(failed=True)
+        logging.getLogger("lossguard.agent").exception("training failed")
+        return trainer.guard.exit_code(failed=True)
     trainer.close()
     if trainer.dist.is_main:
         logging.getLogger("lossguard.agent").info(
@@ -145,7 +144,7 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
             result.stop_reason,
             result.run_dir,
         )
-    return EXIT_OK
+    return trainer.guard.exit_code()
 
 
 def _bench(args: argparse.Namespace, cfg: Config) -> int:

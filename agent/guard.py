@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
+from lossguard.common.exitcodes import EXIT_CODES, EXIT_RETRYABLE
 from lossguard.common.protocol import SOCKET_NAME, ErrorCode, SkipBatches, Target, parse_target
 from lossguard.common.supervisor_file import RESUME_ENV
 
@@ -180,6 +181,7 @@ class Guard:
 
         self.paused = False
         self._stop = False
+        self.preempted = False  # stopped by the preempt signal: the run is to be requeued
         self.started_at = time.time()
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
@@ -387,6 +389,20 @@ class Guard:
     def stop_requested(self, stop: bool) -> None:
         self._stop = stop
 
+    @property
+    def outcome(self) -> Literal["completed", "stopped", "preempted"]:
+        """How the run ends if it ends now without an error: completed, stopped (a ``stop``
+        command or SIGTERM/SIGINT) or preempted (SIGUSR1, state saved: requeue it)."""
+        if self.preempted:
+            return "preempted"
+        return "stopped" if self.stop_requested else "completed"
+
+    def exit_code(self, *, failed: bool = False) -> int:
+        """The process exit code for how the run ended (``lossguard.common.exitcodes``):
+        ``sys.exit(guard.exit_code())`` after the loop, ``exit_code(failed=True)`` when it
+        raised (a retryable failure)."""
+        return EXIT_RETRYABLE if failed else EXIT_CODES[self.outcome]
+
     # ----------------------------------------------------------------- the per-step API
 
     @contextlib.contextmanager
@@ -469,11 +485,12 @@ class Guard:
         while True:
             with self.idle() if self.paused else contextlib.nullcontext():
                 commands, signalled = self.commands.gather(
-                    wait=self.paused, signalled=self.signals.pending
+                    wait=self.paused, signalled=self.signals.kind
                 )
             if signalled and not self.stop_requested:
-                self.event("signal", signal=self.signals.name)
-                self.commands.stop(reason="signal")
+                self.preempted = signalled == 2
+                self.event("signal", signal=self.signals.name, preempted=self.preempted)
+                self.commands.stop(reason="preempted" if self.preempted else "signal")
             for request, pending in commands:
                 self.commands.apply(request, pending)
             if not self.paused or self.stop_requested:
@@ -755,9 +772,7 @@ class Guard:
         self.sinks = []
         if self.run_dir is not None:
             self.event("close", stop_requested=self.stop_requested)
-            self.run_dir.mark_finished(
-                "failed" if failed else "stopped" if self.stop_requested else "completed"
-            )
+            self.run_dir.mark_finished("failed" if failed else self.outcome)
             self.run_dir.close()
 
     def __enter__(self) -> Guard:

@@ -32,7 +32,10 @@ _prctl = _load_prctl()
 
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the supervisor dies (Linux), so a killed
-    supervisor never leaves an unsupervised run behind."""
+    supervisor never leaves an unsupervised run behind. SIGUSR1 is ignored (and stays ignored
+    across exec): the supervisor sends it to the whole group, and torchrun would die of it; the
+    agent installs its own handler."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -84,6 +87,10 @@ class TrainingProcess:
         """Send ``signum`` to the command itself (torchrun passes it on to its workers)."""
         with contextlib.suppress(ProcessLookupError):
             self._popen.send_signal(signum)
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to every process of the group (the agent's ranks under torchrun)."""
+        _signal_group(self.pid, signum)
 
     def end_group(self, kill_after_s: float) -> int:
         """End the whole process group: SIGTERM, then SIGKILL after ``kill_after_s`` (a hung

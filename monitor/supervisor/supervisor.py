@@ -28,6 +28,7 @@ from lossguard.agent.control.server import (
 )
 from lossguard.agent.rundir import RunDirectory, write_atomically
 from lossguard.common import __version__
+from lossguard.common.exitcodes import EXIT_PERMANENT, EXIT_RETRYABLE, EXIT_STOPPED
 from lossguard.common.protocol import SUPERVISOR_COMMAND_ARGS, ok_reply
 from lossguard.common.supervisor_file import (
     RESUME_ENV,
@@ -38,7 +39,10 @@ from lossguard.common.supervisor_file import (
     pid_alive,
 )
 from lossguard.monitor.supervisor.budget import RestartBudget
+from lossguard.monitor.supervisor.leader import Leader
 from lossguard.monitor.supervisor.metrics import SupervisorMetrics
+from lossguard.monitor.supervisor.multinode import Coordination
+from lossguard.monitor.supervisor.outcome import child_outcome, combined
 from lossguard.monitor.supervisor.process import (
     TrainingProcess,
     describe_status,
@@ -66,6 +70,9 @@ class SupervisorOptions:
     kill_after_s: float = 30.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0  # None: no exporter
+    nnodes: int = 1  # this supervisor leads them (it is node 0)
+    join_timeout_s: float = 600.0
+    give_up: bool = False  # exit (permanent failure) when the restart budget is spent
 
 
 class Supervisor:
@@ -94,6 +101,8 @@ class Supervisor:
             version=__version__,
         )
         self.server: ControlServer | None = None
+        self.leader: Leader | None = None
+        self.generation = 0
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -103,6 +112,8 @@ class Supervisor:
         self._install_signals()
         self.event("supervisor_start", pid=os.getpid(), command=list(self.options.command))
         try:
+            if self.options.nnodes > 1 and not self._lead():
+                return self._finish(None, EXIT_STOPPED if self.stop_signal else EXIT_RETRYABLE)
             return self._loop()
         finally:
             if self.server is not None:
@@ -122,18 +133,60 @@ class Supervisor:
                     restarts_remaining=self.budget.remaining(time.time()),
                 )
             self._start(resume.name if resume else None, restarted=reason != "start")
-            status, requested = self._watch()
+            status, requested, node = self._watch()
+            code, node = self._outcome(status, node)
             if requested is not None:
                 self._answer_restart(requested, status)
                 reason = "requested"
                 continue
-            if self.stop_signal is not None or status == 0:
-                return self._finish(status)
-            if not self._crashed(status):
-                return self._finish(status)
+            if code is not None:
+                return self._finish(status, code)
+            if self.stop_signal is not None:
+                return self._finish(status, EXIT_RETRYABLE)
+            code = self._crashed(status, node)
+            if code is not None:
+                return self._finish(status, code)
             reason = "crash"
 
+    def _lead(self) -> bool:
+        """Node 0 of several: wait for every other node to join; whether they did."""
+        self.leader = Leader(Coordination(self.run_dir), self.options.nnodes)
+        log.info("waiting for %d more nodes to join", self.options.nnodes - 1)
+        joined = self.leader.wait_joined(self.options.join_timeout_s, self._idle)
+        if not joined and self.stop_signal is None:
+            log.error(
+                "only %d of %d nodes joined within %.0f s",
+                len(self.leader.reports()) + 1,
+                self.options.nnodes,
+                self.options.join_timeout_s,
+            )
+        return joined
+
+    def _idle(self, timeout: float) -> bool:
+        """Serve commands for ``timeout`` (restart requests wait); whether a stop signal came."""
+        for pending in self._commands(timeout):
+            pending.resolve(self._refuse_restart(pending))
+        return self.stop_signal is not None
+
+    def _outcome(self, status: int, node: int | None) -> tuple[int | None, int | None]:
+        """The run's exit code for this start (None: a crash) and the node that crashed first.
+        With followers, every node's group is ended first and their outcomes combined."""
+        assert self.child is not None
+        own = child_outcome(status, self.run_dir, self.child.started_at)
+        if self.leader is None:
+            return own, None if own is not None else 0
+        timeout = self.options.kill_after_s + 60
+        others = self.leader.end_all(self.generation, timeout, self._idle)
+        if node is None and own is None:
+            node = 0
+        if node is None:
+            node = next((n for n, code in sorted(others.items()) if code is None), None)
+        return combined([own, *others.values()]), node
+
     def _start(self, resume: str | None, *, restarted: bool) -> None:
+        self.generation += 1
+        if self.leader is not None:
+            self.leader.publish("run", generation=self.generation, resume_from=resume)
         env = dict(os.environ)
         env.pop(RESUME_ENV, None)
         if resume is not None:
@@ -143,33 +196,40 @@ class Supervisor:
         restarts = self.info.restarts + restarted
         self._set_state("running", child_pid=self.child.pid, restarts=restarts)
 
-    def _watch(self) -> tuple[int, PendingCommand | None]:
-        """Wait for the child to exit, or for a restart request (which ends its group first)."""
+    def _watch(self) -> tuple[int, PendingCommand | None, int | None]:
+        """Wait for the child to exit, for a restart request, or for another node's group to
+        crash (the last two end our group first). The exit status, the request, the node."""
         assert self.child is not None
         while True:
             status = self.child.poll()
             if status is not None:
-                return status, None
+                return status, None, None
+            crashed = self.leader.crashed_node(self.generation) if self.leader else None
+            if crashed is not None:
+                log.warning("node %d's group crashed: ending ours", crashed)
+                return self.child.end_group(self.options.kill_after_s), None, crashed
             for pending in self._commands(POLL_S):
                 if pending.request.cmd == "restart" and self.stop_signal is None:
                     log.warning("restart requested: %s", pending.request.args["reason"])
-                    return self.child.end_group(self.options.kill_after_s), pending
+                    return self.child.end_group(self.options.kill_after_s), pending, None
                 pending.resolve(self._refuse_restart(pending))
 
-    def _crashed(self, status: int) -> bool:
-        """Record a crash; whether the run is restarted (after the backoff)."""
+    def _crashed(self, status: int, node: int | None) -> int | None:
+        """Record a crash (of ``node``'s group first, with several nodes); None when the run
+        is restarted (after the backoff), else the exit code to end with."""
         assert self.child is not None
         step = step_reached(self.run_dir)
         repeated = self.planner.crashed(step)
         delay = self.budget.take(time.time())
         resume = self.planner.choose() if delay is not None else None
         exit = describe_status(status)
-        self.metrics.crashed(exit, step, resume.name if resume else None)
+        self.metrics.crashed(exit, step, resume.name if resume else None, node)
         self.metrics.set_remaining(self.budget.remaining(time.time()))
         self.event(
             "crash",
             exit=exit,
             exit_status=status,
+            node=node,
             step=step,
             repeated_at_same_step=repeated,
             stderr_tail=self.child.stderr_tail(),
@@ -180,11 +240,12 @@ class Supervisor:
         if delay is None:
             return self._crash_loop()
         self._set_state("backoff", child_pid=None)
-        return not self._sleep(delay)
+        return EXIT_STOPPED if self._sleep(delay) else None
 
-    def _crash_loop(self) -> bool:
-        """The budget is spent: stay up (the page is the ``state`` series) until a human asks
-        for a restart or stops the supervisor. Whether to restart."""
+    def _crash_loop(self) -> int | None:
+        """The budget is spent: with ``give_up``, end (permanent failure); otherwise stay up
+        (the page is the ``state`` series) until a human asks for a restart (None) or stops
+        the supervisor."""
         opts = self.options
         self.event("crash_loop", max_restarts=opts.max_restarts, window_s=opts.window_s)
         log.error(
@@ -195,15 +256,17 @@ class Supervisor:
             self.run_dir,
         )
         self._set_state("crash_loop", child_pid=None)
+        if opts.give_up:
+            return EXIT_PERMANENT
         while self.stop_signal is None:
             for pending in self._commands(POLL_S):
                 if pending.request.cmd == "restart":
                     self.budget.reset()
                     self.metrics.set_remaining(self.budget.remaining(time.time()))
                     self._record_answer(pending, {"restarting": True, "killed_pid": None})
-                    return True
+                    return None
                 pending.resolve(self._refuse_restart(pending))
-        return False
+        return EXIT_STOPPED
 
     def _sleep(self, delay: float) -> bool:
         """Wait out the backoff; whether a stop signal came meanwhile (a restart request
@@ -217,17 +280,22 @@ class Supervisor:
                 pending.resolve(self._refuse_restart(pending))
         return self.stop_signal is not None
 
-    def _finish(self, status: int) -> int:
-        how = describe_status(status)
+    def _finish(self, status: int | None, code: int) -> int:
+        """End with ``code`` (the exit-code contract), every node with it."""
+        how = describe_status(status) if status is not None else "not started"
         why = f"stop signal {signal.Signals(self.stop_signal).name}, " if self.stop_signal else ""
-        self.event("supervisor_exit", exit=how, stop_signal=bool(self.stop_signal))
-        log.info("training command ended (%s%s); not restarting", why, how)
+        self.event("supervisor_exit", exit=how, exit_code=code, stop_signal=bool(self.stop_signal))
+        log.info("training command ended (%s%s); not restarting; exit %d", why, how, code)
         self._set_state("exited", child_pid=None)
-        return status if status >= 0 else 128 - status
+        if self.leader is not None:
+            self.leader.publish("exit", exit_code=code)
+        return code
 
     # ----------------------------------------------------------------------- commands, files
 
     def _commands(self, timeout: float) -> list[PendingCommand]:
+        if self.leader is not None:
+            self.leader.beat()
         if self.server is None:
             self._wake.wait(timeout)
             self._wake.clear()
@@ -311,15 +379,20 @@ class Supervisor:
             log.warning("ended process group %d left by a killed supervisor", previous.child_pid)
 
     def _install_signals(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(signum, self._on_stop_signal)
 
     def _on_stop_signal(self, signum: int, frame: object) -> None:
-        """Preemption: forward the signal once (the run saves and exits 0); never restart."""
+        """Stop or preemption: forward the signal once (SIGTERM to the command, which saves
+        and stops; SIGUSR1 to its whole group: the agent's ranks save and exit with the requeue
+        code); never restart."""
         if self.stop_signal is not None:
             return
         self.stop_signal = signum
         child = self.child
         if child is not None and child.poll() is None:
-            child.signal(signal.SIGTERM)
+            if signum == signal.SIGUSR1:
+                child.signal_group(signal.SIGUSR1)
+            else:
+                child.signal(signal.SIGTERM)
         self._wake.set()
