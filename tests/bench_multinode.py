@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,13 +30,15 @@ from rich.table import Table
 
 from lossguard.monitor.supervisor.multinode import COORDINATION_DIR
 from tests.bench_supervisor import trained_since, weights_sha256
-from tests.conftest import events, stop_process, tiny_settings, wait_for, write_config
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.conftest import (
+    events,
+    free_port,
+    last_step,
+    stop_process,
+    tiny_settings,
+    wait_for,
+    write_config,
+)
 
 
 def node_argv(run_dir: Path, config: Path, node: int, port: int, *options: str) -> list[str]:
@@ -96,21 +97,15 @@ def worker_of(run_dir: Path, node: int, generation: int) -> int | None:
     return int(children[0]) if children else None
 
 
-def settings(work: Path, cache: Path, run_id: str, steps: int) -> dict[str, Any]:
-    data = tiny_settings(
-        work / "runs",
-        cache,
-        run={"id": run_id},
-        train={"max_steps": steps, "log_every": 5, "eval_every": 10**6},
-    )
-    data["checkpoint"] = {"every": 10, "keep_last": 4}
-    return data
-
-
-def two_nodes(work: Path, cache: Path, run_id: str, steps: int) -> tuple[Path, Path]:
+def two_nodes(
+    work: Path, cache: Path, run_id: str, steps: int, **sections: Any
+) -> tuple[Path, Path]:
+    """The run directory and config of a two-node run of the tiny GPT."""
     work.mkdir(parents=True, exist_ok=True)
-    config = write_config(work / f"{run_id}.yaml", settings(work, cache, run_id, steps))
-    return work / "runs" / run_id, config
+    train = {"max_steps": steps, "log_every": 1, "eval_every": 10**6}
+    data = tiny_settings(work / "runs", cache, run={"id": run_id}, train=train, **sections)
+    data.setdefault("checkpoint", {"every": 10, "keep_last": 4})
+    return work / "runs" / run_id, write_config(work / f"{run_id}.yaml", data)
 
 
 def finish(nodes: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
@@ -130,8 +125,8 @@ def uninterrupted(work: Path, cache: Path, steps: int) -> tuple[Path, float]:
 
 
 def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[str, Any]:
-    """SIGKILL node 1's worker ``kills`` times, each in a new generation, at a random moment
-    after its first logged step."""
+    """SIGKILL node 1's worker ``kills`` times, each in a new generation, at a random step
+    between its resume point and halfway to the end."""
     plain_dir, plain_s = uninterrupted(work, cache, steps)
     run_dir, config = two_nodes(work, cache, "chaos", steps)
     rng = random.Random(seed)
@@ -143,8 +138,14 @@ def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[st
         for generation in range(1, kills + 1):
             pid = wait_for(lambda g=generation: worker_of(run_dir, 1, g), 120, "node 1's worker")
             seen = time.time()
-            wait_for(lambda t=seen: trained_since(run_dir, t), 120, "a step of the generation")
-            time.sleep(rng.uniform(0.0, plain_s / (3 * kills)))  # a random moment of training
+            resume = node_report(run_dir, 1).get("resume_from")
+            begun = int(resume[5:]) if resume else 0
+            target = rng.randint(begun + 2, begun + max(2, (steps - begun) // 2))  # a random step
+            wait_for(
+                lambda t=seen, s=target: trained_since(run_dir, t) and last_step(run_dir) >= s,
+                120,
+                f"step {target}",
+            )
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -170,6 +171,7 @@ def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[st
         "restarts": len(restarts),
         "resumed": [e.get("checkpoint") for e in trail if e.get("event") == "resumed"],
         "resume_from": [r.get("resume_from") for r in restarts],
+        "node_1_resumed_from": node_report(run_dir, 1).get("resume_from"),
         "steps_redone": redone,
         "plain_s": plain_s,
         "chaos_s": chaos_s,

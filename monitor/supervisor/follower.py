@@ -80,18 +80,27 @@ class Follower:
         self._report(generation=0)
         log.info("node %d joined leader %s", self.node, self.leader)
 
-    def _report(self, generation: int, **fields: int | None) -> None:
+    def _report(
+        self,
+        generation: int,
+        resume_from: str | None = None,
+        child: TrainingProcess | None = None,
+        status: int | None = None,
+        code: int | None = None,
+    ) -> None:
         assert self.leader is not None
-        self.coordination.report(
-            NodeReport(
-                node=self.node,
-                leader=self.leader,
-                hostname=socket.gethostname(),
-                pid=os.getpid(),
-                generation=generation,
-                **fields,
-            )
+        report = NodeReport(
+            node=self.node,
+            leader=self.leader,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            generation=generation,
+            resume_from=resume_from,
+            child_pid=child.pid if child is not None else None,
+            status=status,
+            code=code,
         )
+        self.coordination.report(report)
 
     # ------------------------------------------------------------------ the loop
 
@@ -134,7 +143,7 @@ class Follower:
         log.info(
             "node %d: generation %d, pid %d, from %s", self.node, generation, child.pid, resume
         )
-        self._report(generation, child_pid=child.pid)
+        self._report(generation, resume, child)
         while (status := child.poll()) is None:
             decision = self._decision()
             if decision is not None and (decision.action, decision.generation) == (
@@ -145,7 +154,7 @@ class Follower:
                 break
             time.sleep(POLL_S)
         code = child_outcome(status, self.run_dir, child.started_at)
-        self._report(generation, child_pid=child.pid, status=status, code=code)
+        self._report(generation, resume, child, status, code)
         return code
 
     def _end_leftovers(self) -> None:

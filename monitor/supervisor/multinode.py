@@ -53,6 +53,7 @@ class NodeReport:
     hostname: str
     pid: int
     generation: int  # 0: joined, nothing started yet
+    resume_from: str | None = None  # the checkpoint its group of this generation started from
     child_pid: int | None = None
     status: int | None = None  # the group's exit status; None while it runs
     code: int | None = None  # the exit code of the contract it stands for; None: a crash
