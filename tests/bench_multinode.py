@@ -40,6 +40,8 @@ from tests.conftest import (
     write_config,
 )
 
+CHECKPOINT_EVERY = 10
+
 
 def node_argv(run_dir: Path, config: Path, node: int, port: int, *options: str) -> list[str]:
     """``lossguard-supervise run`` for ``node`` of two, around its torchrun."""
@@ -104,7 +106,7 @@ def two_nodes(
     work.mkdir(parents=True, exist_ok=True)
     train = {"max_steps": steps, "log_every": 1, "eval_every": 10**6}
     data = tiny_settings(work / "runs", cache, run={"id": run_id}, train=train, **sections)
-    data.setdefault("checkpoint", {"every": 10, "keep_last": 4})
+    data.setdefault("checkpoint", {"every": CHECKPOINT_EVERY, "keep_last": 4})
     return work / "runs" / run_id, write_config(work / f"{run_id}.yaml", data)
 
 
@@ -126,7 +128,7 @@ def uninterrupted(work: Path, cache: Path, steps: int) -> tuple[Path, float]:
 
 def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[str, Any]:
     """SIGKILL node 1's worker ``kills`` times, each in a new generation, at a random step
-    between its resume point and halfway to the end."""
+    after its first checkpoint."""
     plain_dir, plain_s = uninterrupted(work, cache, steps)
     run_dir, config = two_nodes(work, cache, "chaos", steps)
     rng = random.Random(seed)
@@ -140,7 +142,9 @@ def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[st
             seen = time.time()
             resume = node_report(run_dir, 1).get("resume_from")
             begun = int(resume[5:]) if resume else 0
-            target = rng.randint(begun + 2, begun + max(2, (steps - begun) // 2))  # a random step
+            # a random step after the generation's first checkpoint, before halfway to the end
+            low = begun + CHECKPOINT_EVERY + 2
+            target = rng.randint(low, max(low, begun + (steps - begun) // 2))
             wait_for(
                 lambda t=seen, s=target: trained_since(run_dir, t) and last_step(run_dir) >= s,
                 120,

@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the restart budget is spent, exit 1 (permanent failure) instead of waiting "
         "for a restart request (for a scheduler's job)",
     )
+    run.add_argument(
+        "--term-is-preemption",
+        action="store_true",
+        help="take SIGTERM as preemption (Kubernetes): the run saves and exits 138, to be "
+        "started again, instead of stopping (3)",
+    )
     nodes = run.add_argument_group(
         "multi-node (one supervisor per node over a shared run directory; node 0 leads)"
     )
@@ -138,6 +144,7 @@ def _options(args: argparse.Namespace, command: tuple[str, ...], nnodes: int) ->
         nnodes=nnodes,
         join_timeout_s=args.join_timeout,
         give_up=args.give_up,
+        term_is_preemption=args.term_is_preemption,
     )
 
 
@@ -150,7 +157,14 @@ def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         return EXIT_CONFIG
     run_dir = args.run_dir.resolve()
     if where.node > 0:
-        follower = Follower(run_dir, command, where.node, args.leader_timeout, args.kill_after)
+        follower = Follower(
+            run_dir,
+            command,
+            where.node,
+            args.leader_timeout,
+            args.kill_after,
+            args.term_is_preemption,
+        )
         return follower.run()
     try:
         return Supervisor(_options(args, command, where.nnodes)).run()

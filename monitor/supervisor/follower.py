@@ -15,7 +15,11 @@ from lossguard.common.exitcodes import EXIT_RETRYABLE
 from lossguard.common.supervisor_file import RESUME_ENV, pid_alive
 from lossguard.monitor.supervisor.multinode import Coordination, Decision, NodeReport
 from lossguard.monitor.supervisor.outcome import child_outcome
-from lossguard.monitor.supervisor.process import TrainingProcess, end_leftover_group
+from lossguard.monitor.supervisor.process import (
+    TrainingProcess,
+    end_leftover_group,
+    forward_stop,
+)
 
 log = logging.getLogger("lossguard.supervisor")
 POLL_S = 0.1
@@ -34,12 +38,14 @@ class Follower:
         node: int,
         leader_timeout_s: float,
         kill_after_s: float,
+        term_is_preemption: bool = False,
     ) -> None:
         self.run_dir = run_dir
         self.command = command
         self.node = node
         self.leader_timeout_s = leader_timeout_s
         self.kill_after_s = kill_after_s
+        self.term_is_preemption = term_is_preemption
         self.coordination = Coordination(run_dir)
         self.child: TrainingProcess | None = None
         self.stop_signal: int | None = None
@@ -172,9 +178,5 @@ class Follower:
         if self.stop_signal is not None:
             return
         self.stop_signal = signum
-        child = self.child
-        if child is not None and child.poll() is None:
-            if signum == signal.SIGUSR1:
-                child.signal_group(signal.SIGUSR1)
-            else:
-                child.signal(signal.SIGTERM)
+        if self.child is not None:
+            forward_stop(self.child, signum, self.term_is_preemption)

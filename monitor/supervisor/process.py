@@ -101,6 +101,19 @@ class TrainingProcess:
         return status if status is not None else self._popen.wait()
 
 
+def forward_stop(child: TrainingProcess, signum: int, term_is_preemption: bool) -> None:
+    """Pass a stop signal the supervisor got on to a running command: SIGUSR1 (preemption) to
+    its whole group, so that the agent's ranks under torchrun get it (torchrun, started with
+    SIGUSR1 ignored, survives it); SIGTERM and SIGINT to the command as SIGTERM (torchrun
+    passes it on), or as SIGUSR1 with ``term_is_preemption``."""
+    if child.poll() is not None:
+        return
+    if signum == signal.SIGUSR1 or (term_is_preemption and signum == signal.SIGTERM):
+        child.signal_group(signal.SIGUSR1)
+    else:
+        child.signal(signal.SIGTERM)
+
+
 def _signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)

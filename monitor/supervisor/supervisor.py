@@ -47,6 +47,7 @@ from lossguard.monitor.supervisor.process import (
     TrainingProcess,
     describe_status,
     end_leftover_group,
+    forward_stop,
 )
 from lossguard.monitor.supervisor.resume import ResumePlanner, step_reached
 
@@ -73,6 +74,7 @@ class SupervisorOptions:
     nnodes: int = 1  # this supervisor leads them (it is node 0)
     join_timeout_s: float = 600.0
     give_up: bool = False  # exit (permanent failure) when the restart budget is spent
+    term_is_preemption: bool = False  # SIGTERM is forwarded as SIGUSR1 (Kubernetes)
 
 
 class Supervisor:
@@ -389,10 +391,6 @@ class Supervisor:
         if self.stop_signal is not None:
             return
         self.stop_signal = signum
-        child = self.child
-        if child is not None and child.poll() is None:
-            if signum == signal.SIGUSR1:
-                child.signal_group(signal.SIGUSR1)
-            else:
-                child.signal(signal.SIGTERM)
+        if self.child is not None:
+            forward_stop(self.child, signum, self.options.term_is_preemption)
         self._wake.set()
