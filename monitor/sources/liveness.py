@@ -21,12 +21,13 @@ from lossguard.common.supervisor_file import RESTARTING, SupervisorInfo, pid_ali
 
 RUN_EXITED = "lossguard_run_exited_timestamp_seconds"
 LAST_STEP_LABEL = "last_step"
-RUN_EXITED_LABELS = ("run_id", "exit", LAST_STEP_LABEL, "last_checkpoint", "supervisor")
+RUN_EXITED_LABELS = ("run_id", "host", "exit", LAST_STEP_LABEL, "last_checkpoint", "supervisor")
 RUN_EXITED_HELP = (
     "Present while a run's training process is known dead on the monitor's host without having "
-    "ended cleanly: when it was last alive (Unix seconds). exit: crashed (no exit in agent.json) "
-    "or agent.json's exit; last_step: its last logged step; last_checkpoint: its newest "
-    "checkpoint and whether it is healthy; supervisor: restarting, crash_loop or none."
+    "ended cleanly: when it was last alive (Unix seconds). host: the host it ran on; exit: "
+    "crashed (no exit in agent.json) or agent.json's exit; last_step: its last logged step; "
+    "last_checkpoint: its newest checkpoint and whether it is healthy; supervisor: "
+    "restarting, crash_loop or none."
 )
 CRASHED = "crashed"
 SUPERVISOR_RESTARTING = "restarting"
@@ -42,6 +43,7 @@ class DeadRun:
     run_id: str
     run_dir: Path
     pid: int
+    host: str
     metrics_urls: tuple[str, ...]
     exit: str  # crashed, or agent.json's exit (failed)
     last_seen: float  # its last sign of life, Unix seconds
@@ -53,6 +55,7 @@ class DeadRun:
         """The :data:`RUN_EXITED` labels (an unknown value is empty: the label is absent)."""
         return {
             "run_id": self.run_id,
+            "host": self.host,
             "exit": self.exit,
             LAST_STEP_LABEL: "" if self.last_step is None else str(self.last_step),
             "last_checkpoint": self.last_checkpoint or "",
@@ -86,6 +89,7 @@ def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
         run_id=info.run_id,
         run_dir=run_dir,
         pid=info.pid,
+        host=hostname,
         metrics_urls=info.metrics_urls,
         exit=info.exit or CRASHED,
         last_seen=max(s for s in signs if s is not None),

@@ -176,7 +176,7 @@ class Supervisor:
         assert self.child is not None
         own = child_outcome(status, self.run_dir, self.child.started_at)
         if self.leader is None:
-            return own, None if own is not None else 0
+            return own, None
         timeout = self.options.kill_after_s + 60
         others = self.leader.end_all(self.generation, timeout, self._idle)
         if node is None and own is None:
