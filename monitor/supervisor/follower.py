@@ -20,6 +20,7 @@ from lossguard.monitor.supervisor.process import (
     end_leftover_group,
     forward_stop,
 )
+from lossguard.monitor.supervisor.tree import become_subreaper, end_orphans
 
 log = logging.getLogger("lossguard.supervisor")
 POLL_S = 0.1
@@ -111,6 +112,7 @@ class Follower:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        become_subreaper()
         self._end_leftovers()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(signum, self._on_stop_signal)
@@ -159,6 +161,7 @@ class Follower:
                 status = child.end_group(self.kill_after_s)
                 break
             time.sleep(POLL_S)
+        end_orphans()
         code = child_outcome(status, self.run_dir, child.started_at)
         self._report(generation, resume, child, status, code)
         return code

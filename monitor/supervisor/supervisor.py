@@ -50,6 +50,7 @@ from lossguard.monitor.supervisor.process import (
     forward_stop,
 )
 from lossguard.monitor.supervisor.resume import ResumePlanner, step_reached
+from lossguard.monitor.supervisor.tree import become_subreaper, end_orphans
 
 log = logging.getLogger("lossguard.supervisor")
 POLL_S = 0.2
@@ -109,6 +110,7 @@ class Supervisor:
     # ------------------------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        become_subreaper()
         self._end_leftovers()
         self._start_services()
         self._install_signals()
@@ -174,6 +176,9 @@ class Supervisor:
         """The run's exit code for this start (None: a crash) and the node that crashed first.
         With followers, every node's group is ended first and their outcomes combined."""
         assert self.child is not None
+        left = end_orphans()
+        if left:
+            log.warning("ended %d processes the training command left behind", len(left))
         own = child_outcome(status, self.run_dir, self.child.started_at)
         if self.leader is None:
             return own, None
