@@ -75,9 +75,9 @@ def test_the_training_pod_runs_a_supervisor_per_node(monkeypatch: pytest.MonkeyP
     assert args.give_up and args.term_is_preemption
     where = placement(command, args.node_rank, args.nnodes, env={})
     assert (where.node, where.nnodes) == (1, spec["completions"]) == (1, spec["parallelism"])
-    endpoint = next(a for a in command if a.startswith("--rdzv-endpoint="))
+    master = next(a for a in command if a.startswith("--master-addr="))
     service = named("Service", "lossguard-train")
-    assert endpoint.split("=")[1].startswith(f"lossguard-train-0.{service['metadata']['name']}:")
+    assert master == f"--master-addr=lossguard-train-0.{service['metadata']['name']}"
     token = next(e for e in container["env"] if e["name"] == "LOSSGUARD_CONTROL_TOKEN")
     assert token["valueFrom"]["secretKeyRef"]["name"] == "lossguard"
     monkeypatch.setenv("LOSSGUARD_CONTROL_TOKEN", "from-the-secret")
