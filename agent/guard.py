@@ -42,6 +42,7 @@ from lossguard.agent.control.server import (
     socket_is_live,
 )
 from lossguard.agent.distributed import broadcast_objects, control_group, rank_and_world
+from lossguard.agent.heartbeat import Heartbeat
 from lossguard.agent.recovery import (
     DETECTOR_STATE,
     PROGRESS_STATE,
@@ -200,6 +201,7 @@ class Guard:
         self.path = Path(run_dir)
         self.run_id = self.config.run.id or self.path.name
         self.run_dir: RunDirectory | None = None
+        self.heartbeat: Heartbeat | None = None
         self.checkpoints: CheckpointStore | None = None
         self.control: ControlServer | None = None
         self.sinks: list[Sink] = []
@@ -360,6 +362,7 @@ class Guard:
             metrics_urls=self.telemetry.urls if self.telemetry else [],
             world_size=self.world_size,
         )
+        self.heartbeat = Heartbeat(self.path)
         if progress:
             self.sinks.append(DisplaySink(make_progress(self.max_steps, self.step)))
 
@@ -770,6 +773,8 @@ class Guard:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         if self.run_dir is not None:
             self.event("close", stop_requested=self.stop_requested)
             self.run_dir.mark_finished("failed" if failed else self.outcome)

@@ -11,6 +11,7 @@ import pwd
 import shutil
 import socket
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -90,9 +91,13 @@ def single_host_slurm(folder: Path) -> Iterator[Slurm]:
     """Start munged, slurmctld and slurmd; yield once the node is idle; stop them all."""
     host = socket.gethostname().split(".")[0]
     munge = pwd.getpwnam("munge")
-    munge_dir = folder / "munge"
-    for sub in ("state", "spool", "munge"):
+    for sub in ("state", "spool"):
         (folder / sub).mkdir(parents=True)
+    # munged runs as munge: a folder of its own outside the test's (root-only) tmp_path
+    outer = Path(tempfile.mkdtemp(prefix="lossguard-munge-"))
+    outer.chmod(0o711)
+    munge_dir = outer / "munge"
+    munge_dir.mkdir()
     os.chown(munge_dir, munge.pw_uid, munge.pw_gid)
     munge_dir.chmod(0o700)
     key = munge_dir / "munge.key"
@@ -120,6 +125,7 @@ def single_host_slurm(folder: Path) -> Iterator[Slurm]:
     finally:
         for process in reversed(processes):
             stop_process(process, timeout=20)
+        shutil.rmtree(outer, ignore_errors=True)
 
 
 def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, list_checkpoints
 from lossguard.agent.checkpoint.targets import ordered
 from lossguard.common.agent_file import AGENT_FILE, AgentInfo
+from lossguard.common.heartbeat import REMOTE_DEAD_AFTER_S, last_beat
 from lossguard.common.metrics_log import LastLogged, last_logged
 from lossguard.common.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
 
@@ -23,8 +25,9 @@ RUN_EXITED = "lossguard_run_exited_timestamp_seconds"
 LAST_STEP_LABEL = "last_step"
 RUN_EXITED_LABELS = ("run_id", "host", "exit", LAST_STEP_LABEL, "last_checkpoint", "supervisor")
 RUN_EXITED_HELP = (
-    "Present while a run's training process is known dead on the monitor's host without having "
-    "ended cleanly: when it was last alive (Unix seconds). host: the host it ran on; exit: "
+    "Present while a run's training process is known dead without having ended cleanly (on the "
+    "monitor's host: its pid is gone; on another: its heartbeat is silent or it failed): when "
+    "it was last alive (Unix seconds). host: the host it ran on; exit: "
     "crashed (no exit in agent.json) or agent.json's exit; last_step: its last logged step; "
     "last_checkpoint: its newest checkpoint and whether it is healthy; supervisor: "
     "restarting, crash_loop or none."
@@ -74,22 +77,29 @@ class DeadRun:
 
 
 def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
-    """The run of ``info`` if its process is known dead: its ``agent.json`` names ``hostname``
-    (this host) and a pid that no longer runs. None while it lives, or when this host cannot
-    tell (another host, no pid)."""
-    if info.pid is None or info.hostname != hostname or pid_alive(info.pid):
+    """The run of ``info`` if its process is known dead: on this host (``hostname``), its pid
+    no longer runs; on another host (its pid is never probed here), it recorded a failure or
+    its heartbeat is silent (``remote_dead``). None while it lives, or when this host cannot
+    tell (no pid; an agent from before heartbeats)."""
+    if info.pid is None:
+        return None
+    if info.hostname != hostname:
+        if not remote_dead(info, run_dir, time.time()):
+            return None
+    elif pid_alive(info.pid):
         return None
     try:
         stat = os.stat(run_dir / AGENT_FILE)
     except OSError:
         return None  # removed meanwhile
     logged, checkpoint = _what_is_left(run_dir, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
-    signs = (info.finished_at, logged.time, stat.st_mtime)
+    beat = last_beat(run_dir, info.hostname or hostname, info.pid)
+    signs = (info.finished_at, logged.time, stat.st_mtime, beat)
     return DeadRun(
         run_id=info.run_id,
         run_dir=run_dir,
         pid=info.pid,
-        host=hostname,
+        host=info.hostname or hostname,
         metrics_urls=info.metrics_urls,
         exit=info.exit or CRASHED,
         last_seen=max(s for s in signs if s is not None),
@@ -97,6 +107,16 @@ def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
         last_checkpoint=checkpoint,
         supervisor=supervisor_state(run_dir, hostname),
     )
+
+
+def remote_dead(info: AgentInfo, run_dir: Path, now: float) -> bool:
+    """Whether the process of an ``agent.json`` written on another host is dead: it recorded
+    that it failed, or its heartbeat has been silent longer than ``REMOTE_DEAD_AFTER_S``."""
+    if info.finished_at is not None:
+        return True  # discovery keeps only runs that did not end on purpose: a failure
+    assert info.pid is not None and info.hostname is not None
+    beat = last_beat(run_dir, info.hostname, info.pid)
+    return beat is not None and now - beat > REMOTE_DEAD_AFTER_S
 
 
 @functools.lru_cache(maxsize=1024)
