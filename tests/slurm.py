@@ -123,9 +123,22 @@ def single_host_slurm(folder: Path) -> Iterator[Slurm]:
         wait_for(lambda: _idle(slurm), 60, "the Slurm node to be idle", interval=0.5)
         yield slurm
     finally:
+        if len(processes) == len(DAEMONS):
+            _cancel_jobs(Slurm(folder, env))
         for process in reversed(processes):
             stop_process(process, timeout=20)
         shutil.rmtree(outer, ignore_errors=True)
+
+
+def _cancel_jobs(slurm: Slurm) -> None:
+    """Cancel every job and wait until none is left (a job step outlives slurmd)."""
+    slurm.run("scancel", "--user=root", check=False)
+    wait_for(
+        lambda: not slurm.run("squeue", "--noheader", check=False).stdout.strip(),
+        60,
+        "the jobs to end",
+        interval=0.5,
+    )
 
 
 def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--join-timeout",
         type=_duration,
         default="10m",
-        help="node 0 waits this long for the others to join (default 10m)",
+        help="node 0 waits this long for the others to join, the others this long for node 0 "
+        "(default 10m)",
     )
     nodes.add_argument(
         "--leader-timeout",
@@ -162,6 +163,7 @@ def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
             command,
             where.node,
             args.leader_timeout,
+            args.join_timeout,
             args.kill_after,
             args.term_is_preemption,
         )

@@ -38,6 +38,7 @@ class Follower:
         command: tuple[str, ...],
         node: int,
         leader_timeout_s: float,
+        join_timeout_s: float,
         kill_after_s: float,
         term_is_preemption: bool = False,
     ) -> None:
@@ -45,6 +46,7 @@ class Follower:
         self.command = command
         self.node = node
         self.leader_timeout_s = leader_timeout_s
+        self.join_timeout_s = join_timeout_s
         self.kill_after_s = kill_after_s
         self.term_is_preemption = term_is_preemption
         self.coordination = Coordination(run_dir)
@@ -56,8 +58,10 @@ class Follower:
 
     # ------------------------------------------------------------------ the leader's word
 
-    def _decision(self) -> Decision | None:
-        """The leader's current decision; LeaderGone when it stopped beating or changed."""
+    def _decision(self, timeout_s: float | None = None) -> Decision | None:
+        """The leader's current decision; LeaderGone when it changed, or stopped beating for
+        ``timeout_s`` (default: the leader timeout)."""
+        timeout_s = self.leader_timeout_s if timeout_s is None else timeout_s
         decision = self.coordination.decision()
         seen = (decision.leader, decision.beat) if decision is not None else None
         now = time.monotonic()
@@ -66,8 +70,8 @@ class Follower:
             if decision is not None and self.leader not in (None, decision.leader):
                 raise LeaderGone(f"a new leader {decision.leader} took over")
             return decision
-        if now - self._changed > self.leader_timeout_s:
-            raise LeaderGone(f"no word from the leader for {self.leader_timeout_s:.0f} s")
+        if now - self._changed > timeout_s:
+            raise LeaderGone(f"no word from the leader for {timeout_s:.0f} s")
         return decision
 
     def _join(self) -> None:
@@ -75,7 +79,7 @@ class Follower:
         first = self.coordination.decision()
         self._seen = (first.leader, first.beat) if first is not None else None
         while True:
-            decision = self._decision()
+            decision = self._decision(self.join_timeout_s)
             if decision is not None and (decision.leader, decision.beat) != (
                 (first.leader, first.beat) if first is not None else None
             ):
