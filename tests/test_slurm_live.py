@@ -66,8 +66,9 @@ def test_a_job_signalled_mid_run_is_requeued_and_ends_with_uninterrupted_weights
         slurm.run("scancel", "--signal=USR1", "--batch", job)
         requeued = {"JobState": "PENDING", "Restarts": "1"}
         wait_for(lambda: requeued.items() <= slurm.job(job).items(), 120, "the requeue")
-        # a requeued job waits about two minutes before it is eligible again: make it now
-        slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        # a requeued job waits about two minutes before it is eligible again: make it so in 2 s
+        # (slurmd refuses a job credential created in the second its old one was revoked)
+        slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now+2")
         wait_for(lambda: slurm.job(job).get("JobState") == "COMPLETED", 180, "the job to end")
         assert slurm.job(job)["ExitCode"] == "0:0"
     trail = events(run_dir)
