@@ -79,6 +79,7 @@ def _config(folder: Path, host: str, munge_socket: Path) -> str:
             "JobRequeue=1",
             "ReturnToService=2",
             "KillWait=10",
+            "SchedulerParameters=sched_interval=2",  # a requeued job starts soon after eligible
             f"NodeName={host} CPUs={cpus} RealMemory=1024 State=UNKNOWN",
             f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
             "",

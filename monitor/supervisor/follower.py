@@ -98,6 +98,7 @@ class Follower:
         child: TrainingProcess | None = None,
         status: int | None = None,
         code: int | None = None,
+        ended_at: float | None = None,
     ) -> None:
         assert self.leader is not None
         report = NodeReport(
@@ -110,6 +111,7 @@ class Follower:
             child_pid=child.pid if child is not None else None,
             status=status,
             code=code,
+            ended_at=ended_at,
         )
         self.coordination.report(report)
 
@@ -165,9 +167,10 @@ class Follower:
                 status = child.end_group(self.kill_after_s)
                 break
             time.sleep(POLL_S)
+        ended_at = time.time()
         end_orphans()
         code = child_outcome(status, self.run_dir, child.started_at)
-        self._report(generation, resume, child, status, code)
+        self._report(generation, resume, child, status, code, ended_at)
         return code
 
     def _end_leftovers(self) -> None:

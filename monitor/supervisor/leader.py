@@ -81,20 +81,20 @@ class Leader:
 
     def end_all(
         self, generation: int, timeout_s: float, wait: Callable[[float], bool]
-    ) -> dict[int, int | None]:
+    ) -> dict[int, NodeReport | None]:
         """Tell every follower to end its group of ``generation`` and wait until each has
-        reported how it ended (a follower silent past ``timeout_s`` counts as crashed). The
-        followers' codes by node (None: crashed)."""
+        reported how it ended. Their reports by node (None: silent past ``timeout_s``, which
+        counts as a crash)."""
         self.publish("end", generation=generation)
         deadline = time.monotonic() + timeout_s
         while True:
             ended = {
-                node: report.code
+                node: report
                 for node, report in self.reports().items()
                 if report.generation == generation and report.status is not None
             }
             if len(ended) == self.nnodes - 1 or time.monotonic() >= deadline:
-                missing = {n: None for n in range(1, self.nnodes) if n not in ended}
-                return {**ended, **missing}
+                silent = {n: None for n in range(1, self.nnodes) if n not in ended}
+                return {**ended, **silent}
             wait(0.1)
             self.beat()

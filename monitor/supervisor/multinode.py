@@ -57,6 +57,7 @@ class NodeReport:
     child_pid: int | None = None
     status: int | None = None  # the group's exit status; None while it runs
     code: int | None = None  # the exit code of the contract it stands for; None: a crash
+    ended_at: float | None = None  # when it saw the group end (Unix seconds)
 
 
 def _read(path: Path) -> dict[str, Any] | None:

@@ -106,6 +106,7 @@ class Supervisor:
         self.server: ControlServer | None = None
         self.leader: Leader | None = None
         self.generation = 0
+        self.ended_at = 0.0  # when the last start's command was seen to end
 
     # ------------------------------------------------------------------------------ the loop
 
@@ -184,11 +185,13 @@ class Supervisor:
             return own, None
         timeout = self.options.kill_after_s + 60
         others = self.leader.end_all(self.generation, timeout, self._idle)
-        if node is None and own is None:
-            node = 0
-        if node is None:
-            node = next((n for n, code in sorted(others.items()) if code is None), None)
-        return combined([own, *others.values()]), node
+        codes = {n: r.code if r is not None else None for n, r in others.items()}
+        if node is None:  # our group ended first, or we saw it first: who crashed first?
+            crashed = [(r.ended_at or 0.0, n) for n, r in others.items() if r and r.code is None]
+            if own is None:
+                crashed.append((self.ended_at, 0))
+            node = min(crashed)[1] if crashed else None
+        return combined([own, *codes.values()]), node
 
     def _start(self, resume: str | None, *, restarted: bool) -> None:
         self.generation += 1
@@ -210,6 +213,7 @@ class Supervisor:
         while True:
             status = self.child.poll()
             if status is not None:
+                self.ended_at = time.time()
                 return status, None, None
             crashed = self.leader.crashed_node(self.generation) if self.leader else None
             if crashed is not None:
