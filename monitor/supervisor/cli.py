@@ -3,6 +3,7 @@ for its status or for a restart.
 
     lossguard-supervise run --run-dir runs/gpt -- lossguard-agent run configs/demo.yaml
     lossguard-supervise run --run-dir runs/gpt -- torchrun --nproc-per-node 8 train.py
+    lossguard-supervise run --run-dir /shared/gpt -- torchrun --nnodes 4 --rdzv-backend c10d ...
     lossguard-supervise status --run-dir runs/gpt
     lossguard-supervise restart --run-dir runs/gpt --reason "hung after the NFS outage"
 """
