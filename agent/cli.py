@@ -1,4 +1,4 @@
-"""``lossguard-agent``: run a training job or benchmark one."""
+"""``lossguard-agent``: run a training job or benchmark one, or check a config."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from lossguard.agent.config import Config, load_config
 from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, add_override_option
 from lossguard.common.config import ConfigError
+from lossguard.common.control.protocol import Target, parse_target
 from lossguard.common.exitcodes import EXIT_PERMANENT
-from lossguard.common.protocol import Target, parse_target
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start run.id over although it has checkpoints (the old run is moved aside)",
     )
+
+    check = sub.add_parser("check", help="validate a config and print it resolved (YAML)")
+    add_config_args(check)
 
     bench = sub.add_parser("bench", help="measure tokens/s and step time")
     add_config_args(bench)
@@ -105,8 +108,8 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 
 
 def _run(args: argparse.Namespace, cfg: Config) -> int:
-    from lossguard.agent.guard import CheckpointsExist
     from lossguard.agent.recovery import RestoreError
+    from lossguard.agent.startup import CheckpointsExist
     from lossguard.agent.train.trainer import Trainer
 
     resume = _resume_target(args)
@@ -147,6 +150,13 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
     return trainer.guard.exit_code()
 
 
+def _check(args: argparse.Namespace, cfg: Config) -> int:
+    import yaml
+
+    print(yaml.safe_dump(cfg.resolved(), sort_keys=False), end="")
+    return EXIT_OK
+
+
 def _bench(args: argparse.Namespace, cfg: Config) -> int:
     from lossguard.agent.train.bench import (
         checkpoint_table,
@@ -184,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
-        handler = _run if args.command == "run" else _bench
+        handler = {"run": _run, "check": _check, "bench": _bench}[args.command]
         return handler(args, cfg)
     except ConfigError as exc:
         print(f"lossguard-agent: error: {exc}", file=sys.stderr)

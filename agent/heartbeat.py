@@ -1,4 +1,4 @@
-"""Rank 0's heartbeat thread (``lossguard.common.heartbeat``): it beats while the process
+"""Rank 0's heartbeat thread (``lossguard.common.rundir.heartbeat``): it beats while the process
 lives, whatever the training loop does."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-from lossguard.agent.rundir import write_atomically
-from lossguard.common.heartbeat import HEARTBEAT_S, heartbeat_path, heartbeat_text
+from lossguard.common.rundir.files import write_atomically
+from lossguard.common.rundir.heartbeat import HEARTBEAT_S, heartbeat_path, heartbeat_text
 
 
 class Heartbeat:

@@ -28,7 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lossguard.monitor.supervisor.multinode import COORDINATION_DIR
+from lossguard.common.rundir.names import COORDINATION_DIR
 from tests.bench_supervisor import trained_since, weights_sha256
 from tests.conftest import (
     events,
@@ -59,7 +59,7 @@ def node_argv(run_dir: Path, config: Path, node: int, port: int, *options: str) 
         "--monitor-interval=0.2",
     ]
     agent = ["-m", "lossguard.agent.cli", "run", str(config), "--no-progress"]
-    supervise = [sys.executable, "-m", "lossguard.monitor.supervisor.cli", "run"]
+    supervise = [sys.executable, "-m", "lossguard.supervisor.cli", "run"]
     return [*supervise, "--run-dir", str(run_dir), *options, "--", *torchrun, *agent]
 
 

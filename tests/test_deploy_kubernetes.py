@@ -17,8 +17,8 @@ import yaml
 from lossguard.agent.config import parse_config
 from lossguard.common.exitcodes import EXIT_CONFIG, EXIT_PERMANENT, EXIT_PREEMPTED, EXIT_STOPPED
 from lossguard.monitor.config import load_monitor_config
-from lossguard.monitor.supervisor.cli import build_parser
-from lossguard.monitor.supervisor.multinode import placement
+from lossguard.supervisor.cli import build_parser
+from lossguard.supervisor.multinode import placement
 from tests.conftest import REPO
 
 KUBERNETES = REPO / "deploy" / "kubernetes"

@@ -1,5 +1,5 @@
 """A run on another host is judged by its heartbeat, never by probing its pid here; the
-agent's rank 0 beats while it lives (lossguard.common.heartbeat)."""
+agent's rank 0 beats while it lives (lossguard.common.rundir.heartbeat)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lossguard.agent import Guard
-from lossguard.common.agent_file import AgentInfo
-from lossguard.common.heartbeat import (
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.heartbeat import (
     REMOTE_DEAD_AFTER_S,
     heartbeat_path,
     heartbeat_text,
