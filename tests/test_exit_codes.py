@@ -128,3 +128,23 @@ def test_the_supervisor_reads_a_stop_that_torchrun_reported_as_1(tmp_path: Path)
         tmp_path / "run2", "import sys; sys.exit(1)", "--max-restarts", "1", "--give-up"
     )
     assert code == EXIT_PERMANENT
+
+
+@pytest.mark.parametrize(
+    ("torchrun", "says"),
+    [
+        (["--nnodes=2", "--max-restarts=3"], "--max-restarts 3: under lossguard-supervise"),
+        (["--nnodes", "1:4"], "elastic node counts are not supervised"),
+        (["--nnodes=2", "--node-rank=2"], "node rank 2 is not below the node count 2"),
+    ],
+)
+def test_the_supervisor_refuses_a_torchrun_it_cannot_supervise(
+    tmp_path: Path, torchrun: list[str], says: str
+) -> None:
+    command = ["torchrun", *torchrun, "train.py"]
+    argv = supervisor_argv(tmp_path / "run", command=command)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == EXIT_CONFIG
+    (line,) = done.stderr.strip().splitlines()  # one line naming the problem
+    assert line.startswith("lossguard-supervise: error: ") and says in line
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
