@@ -26,7 +26,7 @@ from lossguard.monitor.http.messages import (
     bearer_refusal,
 )
 from lossguard.monitor.runs import read_runs
-from lossguard.monitor.sources.scrape import printable_line
+from lossguard.monitor.sources.fetch import printable_line
 
 log = logging.getLogger("lossguard.monitor.api")
 BODY_FIELDS = ("id", "cmd", "args")
