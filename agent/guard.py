@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner
 from lossguard.agent.distributed import control_group, rank_and_world
 from lossguard.agent.dtensors import full_value, is_sharded
+from lossguard.agent.heartbeat import Heartbeat
 from lossguard.agent.recovery import (
     PROGRESS_STATE,
     OnSaved,
@@ -61,6 +62,7 @@ from lossguard.agent.telemetry.log_interval import IntervalLog
 from lossguard.agent.telemetry.sinks import Sink
 from lossguard.common.control.protocol import ErrorCode, SkipBatches, Target
 from lossguard.common.control.server import ControlServer
+from lossguard.common.exitcodes import EXIT_CODES, EXIT_RETRYABLE
 from lossguard.common.rundir.checkpoints import CheckpointMeta
 from lossguard.common.rundir.directory import RunDirectory
 from lossguard.common.rundir.events import CLOSE, COMMAND, OVERWRITTEN, RESUMED, SIGNAL, START
@@ -137,6 +139,7 @@ class Guard:
 
         self.paused = False
         self._stop = False
+        self.preempted = False  # stopped by the preempt signal: the run is to be requeued
         self.started_at = time.time()
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
@@ -148,6 +151,7 @@ class Guard:
         self.path = Path(run_dir)
         self.run_id = self.config.run.id or self.path.name
         self.run_dir: RunDirectory | None = None
+        self.heartbeat: Heartbeat | None = None
         self.checkpoints: CheckpointStore | None = None
         self.control: ControlServer | None = None
         self.sinks: list[Sink] = []
@@ -195,6 +199,7 @@ class Guard:
                 progress=(max_steps, self.step) if progress else None,
             )
             self.control, self.checkpoints, self.sinks = opened
+            self.heartbeat = Heartbeat(self.path)  # from agent.json on: a remote monitor's sign
         sharded = (
             DcpCheckpoints(
                 self.path / CHECKPOINT_DIR,
@@ -278,6 +283,20 @@ class Guard:
     def stop_requested(self, stop: bool) -> None:
         self._stop = stop
 
+    @property
+    def outcome(self) -> Literal["completed", "stopped", "preempted"]:
+        """How the run ends if it ends now without an error: completed, stopped (a ``stop``
+        command or SIGTERM/SIGINT) or preempted (SIGUSR1, state saved: requeue it)."""
+        if self.preempted:
+            return "preempted"
+        return "stopped" if self.stop_requested else "completed"
+
+    def exit_code(self, *, failed: bool = False) -> int:
+        """The process exit code for how the run ended (``lossguard.common.exitcodes``):
+        ``sys.exit(guard.exit_code())`` after the loop, ``exit_code(failed=True)`` when it
+        raised (a retryable failure)."""
+        return EXIT_RETRYABLE if failed else EXIT_CODES[self.outcome]
+
     # ----------------------------------------------------------------- the per-step API
 
     @contextlib.contextmanager
@@ -360,11 +379,12 @@ class Guard:
         while True:
             with self.idle() if self.paused else contextlib.nullcontext():
                 commands, signalled = self.commands.gather(
-                    wait=self.paused, signalled=self.signals.pending
+                    wait=self.paused, signalled=self.signals.kind
                 )
             if signalled and not self.stop_requested:
-                self.event(SIGNAL, signal=self.signals.name)
-                self.commands.stop(reason="signal")
+                self.preempted = signalled == 2
+                self.event(SIGNAL, signal=self.signals.name, preempted=self.preempted)
+                self.commands.stop(reason="preempted" if self.preempted else "signal")
             for request, pending in commands:
                 self.commands.apply(request, pending)
             if not self.paused or self.stop_requested:
@@ -532,11 +552,11 @@ class Guard:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         if self.run_dir is not None:
             self.event(CLOSE, stop_requested=self.stop_requested)
-            self.run_dir.mark_finished(
-                "failed" if failed else "stopped" if self.stop_requested else "completed"
-            )
+            self.run_dir.mark_finished("failed" if failed else self.outcome)
             self.run_dir.close()
 
     def __enter__(self) -> Guard:

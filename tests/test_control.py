@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from lossguard.common.control.client import ControlClient, ControlError
 from lossguard.common.control.protocol import MAX_LINE_BYTES
 from lossguard.common.control.server import answered_before
+from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.directory import RunDirectory
 
 from .conftest import events, start_agent, tiny_settings, wait_for, write_config
@@ -64,7 +65,7 @@ class Agent:
             with ControlClient(socket_path=self.socket_path, timeout=60) as ctl:
                 ctl.request("stop")
         self.process.communicate(timeout=60)
-        assert self.process.returncode == 0
+        assert self.process.returncode == EXIT_STOPPED
 
 
 @pytest.fixture
@@ -270,7 +271,7 @@ def test_lossguard_ctl_drives_a_live_run(agent: Agent) -> None:
     stopped = ctl("--run-dir", run_dir, "stop")
     assert stopped.returncode == 0 and "stopping at step" in stopped.stdout
     agent.process.communicate(timeout=60)
-    assert agent.process.returncode == 0
+    assert agent.process.returncode == EXIT_STOPPED
     gone = ctl("--run-dir", run_dir, "status")
     assert gone.returncode == 3
 
