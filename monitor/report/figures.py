@@ -158,13 +158,18 @@ PANELS = (
 )
 
 
+PLAIN_TEXT = {"text.parse_math": False}
+"""Run ids, request ids and reasons are text from the run: a ``$`` in one is a dollar sign, not
+the start of math markup (which fails on unbalanced or bad markup)."""
+
+
 def panel_svg(panel: Panel, run: RunRecord) -> str:
     """One panel as an SVG element to inline in HTML (no XML prolog, ids unique to it)."""
-    fig = Figure(figsize=PANEL_SIZE, layout="constrained")
-    ax = fig.add_subplot()
-    _draw(panel, ax, run)
     buffer = io.StringIO()
-    with matplotlib.rc_context({"svg.hashsalt": f"lossguard-{panel.key}"}):
+    with matplotlib.rc_context({**PLAIN_TEXT, "svg.hashsalt": f"lossguard-{panel.key}"}):
+        fig = Figure(figsize=PANEL_SIZE, layout="constrained")
+        ax = fig.add_subplot()
+        _draw(panel, ax, run)
         fig.savefig(buffer, format="svg", metadata=_NO_METADATA)
     text = buffer.getvalue()
     return text[text.index("<svg") :]
@@ -173,12 +178,13 @@ def panel_svg(panel: Panel, run: RunRecord) -> str:
 def overview_png(run: RunRecord, path: Path) -> None:
     """Every panel stacked in one PNG at ``path``, titled with the run and how it ended."""
     width, height = PANEL_SIZE
-    fig = Figure(figsize=(width, height * len(PANELS) + 0.4), layout="constrained")
-    fig.suptitle(f"lossguard run {run.run_id}: {run.outcome}", fontsize=12)
-    for panel, ax in zip(PANELS, fig.subplots(len(PANELS), 1), strict=True):
-        ax.set_title(panel.title, fontsize=10, loc="left")
-        _draw(panel, ax, run)
-    fig.savefig(path, format="png", dpi=PNG_DPI, metadata={"Software": None})
+    with matplotlib.rc_context(PLAIN_TEXT):
+        fig = Figure(figsize=(width, height * len(PANELS) + 0.4), layout="constrained")
+        fig.suptitle(f"lossguard run {run.run_id}: {run.outcome}", fontsize=12)
+        for panel, ax in zip(PANELS, fig.subplots(len(PANELS), 1), strict=True):
+            ax.set_title(panel.title, fontsize=10, loc="left")
+            _draw(panel, ax, run)
+        fig.savefig(path, format="png", dpi=PNG_DPI, metadata={"Software": None})
 
 
 def _draw(panel: Panel, ax: Axes, run: RunRecord) -> None:
