@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 from lossguard.common.control_client import ControlError, ControlTimeout, ControlUnavailable
+from lossguard.common.jsondepth import load_bounded
 from lossguard.common.printable import escaped
 from lossguard.common.protocol import ErrorCode, ProtocolError, encode, parse_request
 from lossguard.common.protocol import Request as Command
@@ -83,7 +84,7 @@ def _command(body: bytes) -> Command:
     """The body as a control request, checked by the protocol (ProtocolError: why not); its
     ``id`` is made up unless the body gives one."""
     try:
-        message = json.loads(body)
+        message = load_bounded(body)
     except ValueError as exc:
         raise _bad(f"body: not JSON ({exc})") from None
     if not isinstance(message, dict):

@@ -158,15 +158,14 @@ PANELS = (
 )
 
 
-PLAIN_TEXT = {"text.parse_math": False}
-"""Run ids, request ids and reasons are text from the run: a ``$`` in one is a dollar sign, not
-the start of math markup (which fails on unbalanced or bad markup)."""
-
-
 def panel_svg(panel: Panel, run: RunRecord) -> str:
-    """One panel as an SVG element to inline in HTML (no XML prolog, ids unique to it)."""
+    """One panel as an SVG element to inline in HTML (no XML prolog, ids unique to it). Run
+    ids, request ids and reasons are text from the run: drawn without math markup, a ``$`` is
+    a dollar sign (``text.parse_math``), as in :func:`overview_png`."""
     buffer = io.StringIO()
-    with matplotlib.rc_context({**PLAIN_TEXT, "svg.hashsalt": f"lossguard-{panel.key}"}):
+    with matplotlib.rc_context(
+        {"text.parse_math": False, "svg.hashsalt": f"lossguard-{panel.key}"}
+    ):
         fig = Figure(figsize=PANEL_SIZE, layout="constrained")
         ax = fig.add_subplot()
         _draw(panel, ax, run)
@@ -178,7 +177,7 @@ def panel_svg(panel: Panel, run: RunRecord) -> str:
 def overview_png(run: RunRecord, path: Path) -> None:
     """Every panel stacked in one PNG at ``path``, titled with the run and how it ended."""
     width, height = PANEL_SIZE
-    with matplotlib.rc_context(PLAIN_TEXT):
+    with matplotlib.rc_context({"text.parse_math": False}):
         fig = Figure(figsize=(width, height * len(PANELS) + 0.4), layout="constrained")
         fig.suptitle(f"lossguard run {run.run_id}: {run.outcome}", fontsize=12)
         for panel, ax in zip(PANELS, fig.subplots(len(PANELS), 1), strict=True):
