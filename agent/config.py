@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from lossguard.common.config import Section, field_error, read_config_file, validate
+from lossguard.common.protocol import MIN_TOKEN_LENGTH
 
 
 class RunConfig(Section):
@@ -144,8 +145,18 @@ class ControlConfig(Section):
     def _tcp_needs_token(self) -> ControlConfig:
         if self.tcp is not None and int(self.tcp.rpartition(":")[2]) > 65535:
             raise field_error("tcp", "port must be <= 65535")
-        if self.tcp is not None and not os.environ.get(self.token_env):
-            raise field_error("tcp", f"needs a token in the environment variable {self.token_env}")
+        if self.tcp is not None:
+            token = os.environ.get(self.token_env, "")
+            if not token:
+                raise field_error(
+                    "tcp", f"needs a token in the environment variable {self.token_env}"
+                )
+            if len(token) < MIN_TOKEN_LENGTH:
+                raise field_error(
+                    "tcp",
+                    f"the token in {self.token_env} has {len(token)} characters, fewer than "
+                    f"{MIN_TOKEN_LENGTH}: make one with openssl rand -hex 32",
+                )
         return self
 
 

@@ -331,6 +331,7 @@ class Guard:
             self.path,
             self._record_rejected,
             answered=answered_before(self.run_dir.read_events()),
+            on_refused=self._count_refused,
         )
         self.sinks.append(MetricsLogSink(self.run_dir.metrics))
         if self.config.wandb.enabled:
@@ -731,6 +732,12 @@ class Guard:
         saved = self.recovery.last_saved_step
         if self.config.checkpoint.save_on_exit and saved != self.step:
             self.save("final", wait=True)
+
+    def _count_refused(self, reason: str) -> None:
+        """A control connection or request refused before authentication: counted only (an
+        unauthenticated peer must not grow the audit trail)."""
+        if self.telemetry is not None:
+            self.telemetry.control_refused(reason)
 
     def _record_rejected(self, request_id: str | None, code: ErrorCode, message: str) -> None:
         if request_id is not None:  # a command we could identify; garbage lines are not events

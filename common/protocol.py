@@ -30,6 +30,10 @@ NAMED_TARGETS = ("last_good", "best", "latest")
 MAX_ID_LENGTH = 128
 
 
+MIN_TOKEN_LENGTH = 16
+"""The shortest bearer token a TCP control listener accepts (``openssl rand -hex 32`` makes 64)."""
+
+
 class ErrorCode(str, Enum):
     BAD_REQUEST = "bad_request"  # malformed JSON, wrong field types, bad arguments
     UNKNOWN_COMMAND = "unknown_command"
