@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from lossguard.common.config import ConfigError, Section, field_error, read_config_file, validate
+from lossguard.common.ownership import user_ids
 from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.validation import http_url, seconds
@@ -47,6 +48,12 @@ class ScrapeConfig(_Durations):
         description="Stop watching a run whose process died on this host this long after its "
         "last sign of life (its dead-run alert resolves).",
     )
+    trusted_owners: list[str | int] = Field(
+        default_factory=list,
+        description="Users (names or uids) whose run directories, agent.json and "
+        "supervisor.json under runs_root the monitor believes, besides its own user and root "
+        "(docs/security.md); a run file writable by others is never believed.",
+    )
     file_sd_path: Path | None = Field(
         default=None,
         description="Write the discovered targets (agents and live supervisors, with job, "
@@ -59,6 +66,12 @@ class ScrapeConfig(_Durations):
         for url in targets:
             http_url(url)
         return targets
+
+    @field_validator("trusted_owners")
+    @classmethod
+    def _users(cls, owners: list[str | int]) -> list[str | int]:
+        user_ids(owners)  # ValueError: no such user
+        return owners
 
     @model_validator(mode="after")
     def _timeout_within_interval(self) -> ScrapeConfig:

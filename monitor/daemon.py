@@ -12,6 +12,7 @@ import time
 from types import FrameType
 from typing import Any
 
+from lossguard.common.ownership import user_ids
 from lossguard.monitor.actions.corroborate import Corroborator
 from lossguard.monitor.actions.engine import Actions, Refusal
 from lossguard.monitor.actions.intake import IncomingAlert
@@ -38,7 +39,7 @@ from lossguard.monitor.rules.rulefile import (
 from lossguard.monitor.rules.ruleset import RuleSet, Schedule
 from lossguard.monitor.runs import RUN_METRICS, RunsView, read_runs
 from lossguard.monitor.sources import Source
-from lossguard.monitor.sources.discovery import discover
+from lossguard.monitor.sources.discovery import discover, trust_owners
 from lossguard.monitor.sources.file_sd import FileSdWriter
 from lossguard.monitor.sources.liveness import DeadRun
 from lossguard.monitor.sources.prometheus import PrometheusSource
@@ -58,6 +59,7 @@ class Monitor:
         self.interval_s = seconds(config.rules.evaluation_interval)
         groups = self._load_rules()  # RuleError: the caller exits 2
         secrets = read_secrets(config.notifications)  # ConfigError: the caller exits 2
+        trust_owners(user_ids(config.scrape.trusted_owners))
         self.store = StateStore(config.state.path)
         self.metrics = MonitorMetrics()
         self._unrecorded: list[Transition] = []
