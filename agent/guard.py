@@ -324,7 +324,7 @@ class Guard:
     def _open_run_directory(self, progress: bool) -> None:
         """Rank 0: the run directory, the control server, the sinks and ``agent.json``."""
         continuing = (self.path / "config.yaml").exists()
-        self.run_dir = RunDirectory(self.path)
+        self.run_dir = RunDirectory(self.path, self.config.run.mode_bits)
         # these fail before any file is written
         self.control = serve_control(
             self.config.control,

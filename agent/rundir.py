@@ -3,6 +3,7 @@ the audit trail."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -23,6 +24,8 @@ from lossguard.agent.checkpoint.files import fsync_dir
 from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR
 from lossguard.common import __version__
 from lossguard.common.agent_file import AGENT_FILE, AgentInfo, RunExit
+from lossguard.common.config import ConfigError
+from lossguard.common.ownership import PRIVATE_DIR, claim_directory
 
 RECORDED_PACKAGES = ("torch", "torchao", "numpy", "pydantic", "prometheus-client", "nvidia-ml-py")
 RUN_RECORDS = (CHECKPOINT_DIR, "metrics.jsonl", "events.jsonl", "config.yaml", "env.json")
@@ -55,10 +58,14 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new file, whole."""
+def write_atomically(path: Path, text: str, mode: int = 0o666) -> None:
+    """Replace ``path`` with ``text`` so that readers see the old or the new file, whole; a new
+    file gets ``mode`` (less the umask)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover keeps its mode: start afresh
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with open(fd, "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
@@ -90,8 +97,9 @@ class JsonlLog:
     """An append-only JSON-lines file, safe to write from several threads; each line is
     flushed, so a crash loses at most the line being written."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mode: int = 0o600) -> None:
         self.path = path
+        self.mode = mode  # of the file, when this creates it
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
 
@@ -99,7 +107,8 @@ class JsonlLog:
         line = json.dumps(record, allow_nan=True, default=str) + "\n"
         with self._lock:
             if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
+                self._file = open(fd, "a", encoding="utf-8")  # noqa: SIM115
             self._file.write(line)
             self._file.flush()
 
@@ -111,13 +120,22 @@ class JsonlLog:
 
 
 class RunDirectory:
-    """``runs/<run_id>/``: written by rank 0 only."""
+    """``runs/<run_id>/``: written by rank 0 only. Private by default: the directory is 0700
+    and the records written in it 0600 (``mode``: another directory mode, say 0750 to let a
+    group read, whose files are then 0640). A directory another user owns, or that others may
+    write, is refused (ConfigError naming it): its files would be theirs to forge."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mode: int | None = None) -> None:
+        """``mode``: the directory's mode (None: 0700 when created, an existing one kept)."""
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.metrics = JsonlLog(self.path / "metrics.jsonl")
-        self.events = JsonlLog(self.path / "events.jsonl")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            claim_directory(self.path, mode)
+        except ValueError as exc:
+            raise ConfigError(f"run.dir: {exc}") from None
+        self.file_mode = (PRIVATE_DIR if mode is None else mode) & 0o666
+        self.metrics = JsonlLog(self.path / "metrics.jsonl", self.file_mode)
+        self.events = JsonlLog(self.path / "events.jsonl", self.file_mode)
 
     def read_events(self) -> list[dict[str, Any]]:
         """The audit trail so far; a line torn by a crash is left out."""
@@ -136,7 +154,7 @@ class RunDirectory:
 
     def write_config(self, resolved: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(dict(resolved), sort_keys=False)
-        write_atomically(self.path / "config.yaml", text)
+        write_atomically(self.path / "config.yaml", text, self.file_mode)
 
     def write_env(self, device: Mapping[str, Any], world_size: int) -> None:
         env = {
@@ -150,7 +168,7 @@ class RunDirectory:
             "git_commit": git_commit(),
             "argv": sys.argv,
         }
-        write_atomically(self.path / "env.json", json.dumps(env, indent=2) + "\n")
+        write_atomically(self.path / "env.json", json.dumps(env, indent=2) + "\n", self.file_mode)
 
     def write_discovery(
         self,
@@ -171,7 +189,7 @@ class RunDirectory:
             world_size=world_size,
             version=__version__,
         )
-        write_atomically(self.path / AGENT_FILE, info.to_json())
+        write_atomically(self.path / AGENT_FILE, info.to_json(), self.file_mode)
 
     def mark_finished(self, exit: RunExit) -> None:
         """Record in ``agent.json`` how the run ended (completed, stopped or failed), so a
@@ -180,7 +198,7 @@ class RunDirectory:
         if not path.exists():
             return
         info = AgentInfo.parse(path.read_bytes()).finished(exit, at=time.time())
-        write_atomically(path, info.to_json())
+        write_atomically(path, info.to_json(), self.file_mode)
 
     def close(self) -> None:
         self.metrics.close()

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
+PRIVATE_DIR = 0o700
 
 
 def user_ids(names: Iterable[str | int]) -> frozenset[int]:
@@ -62,3 +63,17 @@ def distrust(path: Path, owners: frozenset[int]) -> str | None:
 def distrust_file(path: Path, owners: frozenset[int]) -> str | None:
     """Why the file ``path`` or its directory is not to be believed (None: both are)."""
     return distrust(path.parent, owners) or distrust(path, owners)
+
+
+def claim_directory(path: Path, mode: int | None) -> None:
+    """Make ``path`` a directory of this user's (created with ``mode``, default 0700) or check
+    that the existing one is (owned by this user, writable by no one else; ValueError names
+    what is wrong); then give it ``mode`` when one is asked for."""
+    try:
+        path.mkdir(mode=PRIVATE_DIR if mode is None else mode)
+    except FileExistsError:
+        why = distrust(path, frozenset({os.geteuid()}))
+        if why is not None:
+            raise ValueError(f"{why}; use a run directory of your own") from None
+    if mode is not None:
+        path.chmod(mode)
