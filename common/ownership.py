@@ -68,7 +68,8 @@ def distrust_file(path: Path, owners: frozenset[int]) -> str | None:
 def claim_directory(path: Path, mode: int | None) -> None:
     """Make ``path`` a directory of this user's (created with ``mode``, default 0700) or check
     that the existing one is (owned by this user, writable by no one else; ValueError names
-    what is wrong); then give it ``mode`` when one is asked for."""
+    what is wrong); then give it ``mode`` when one is asked for, keeping its setgid bit (files
+    then take the directory's group, as a team's shared runs folder wants)."""
     try:
         path.mkdir(mode=PRIVATE_DIR if mode is None else mode)
     except FileExistsError:
@@ -76,4 +77,4 @@ def claim_directory(path: Path, mode: int | None) -> None:
         if why is not None:
             raise ValueError(f"{why}; use a run directory of your own") from None
     if mode is not None:
-        path.chmod(mode)
+        path.chmod(mode | (path.stat().st_mode & stat.S_ISGID))

@@ -101,3 +101,17 @@ def test_run_mode_is_an_octal_mode(given: object, taken: str) -> None:
 def test_a_run_mode_others_may_write_is_refused(given: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         RunConfig.model_validate({"mode": given})
+
+
+def test_a_team_folder_with_setgid_shares_the_run_with_its_group(tmp_path: Path) -> None:
+    """docs/security.md, "Sharing a run with a team": the group and setgid bit of the runs
+    folder reach the run directory and its records."""
+    team = tmp_path / "runs"
+    team.mkdir()
+    os.chown(team, -1, NOBODY)  # the team's group
+    team.chmod(0o2775)
+    run = RunDirectory(team / "r", 0o750)
+    write_records(run)
+    assert stat.S_IMODE(os.stat(run.path).st_mode) == 0o2750
+    assert {os.stat(p).st_gid for p in (run.path, *(run.path / n for n in RECORDS))} == {NOBODY}
+    assert {mode(run.path / name) for name in RECORDS} == {0o640}
