@@ -218,7 +218,14 @@ def test_shipped_configs_load() -> None:
 def test_file_sd_has_live_runs_and_supervisors_only(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     out = tmp_path / "targets" / "lossguard.json"
-    write_agent(runs / "big", os.getpid(), "http://gpu1:9410/metrics", "http://gpu1:9411/metrics")
+    # runs on other hosts announce those hosts (discovery checks rank 0's URL against it)
+    write_agent(
+        runs / "big",
+        os.getpid(),
+        "http://gpu1:9410/metrics",
+        "http://gpu1:9411/metrics",
+        hostname="gpu1",
+    )
     write_agent(runs / "dead", gone_pid(), "http://127.0.0.1:9412/metrics")
     write_agent(
         runs / "done",
@@ -227,7 +234,7 @@ def test_file_sd_has_live_runs_and_supervisors_only(tmp_path: Path) -> None:
         exit="completed",
         finished_at=time.time(),
     )
-    write_agent(runs / "other-path", None, "https://gpu2:9414/custom")
+    write_agent(runs / "other-path", None, "https://gpu2:9414/custom", hostname="gpu2")
     write_supervisor(runs / "big", os.getpid(), "http://127.0.0.1:9500/metrics")
     write_supervisor(runs / "done", gone_pid(), "http://127.0.0.1:9501/metrics")
     writer = FileSdWriter(out, runs, interval_s=1, forget_dead_after_s=3600)
