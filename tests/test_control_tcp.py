@@ -161,3 +161,23 @@ def test_fuzzed_first_lines_without_the_token_are_refused(
     exchange()
     assert seen["lines"] >= 200 and served.applied == []
     assert served.refused["unauthorized"] == seen["lines"]
+
+
+def test_nested_and_malformed_lines_are_bad_requests_after_the_token(served: Served) -> None:
+    """An authenticated peer's bad lines each get one ``bad_request``, and nothing is queued."""
+    with socket.create_connection(served.address, timeout=10) as conn:
+        reader = conn.makefile("rb")
+        conn.sendall(json.dumps({"id": "a", "cmd": "status", "token": TOKEN}).encode() + b"\n")
+        assert json.loads(reader.readline())["ok"] is True
+        lines = {
+            b"[" * 50_000: "JSON nested deeper than 32 levels",
+            b'{"id": "n", "args": ' + b"[" * 40 + b"]" * 40 + b"}": "nested deeper than 32",
+            b"{not json": "not valid JSON",
+            b'{"id": "x"}': "cmd: must be a string",
+        }
+        for line, says in lines.items():
+            conn.sendall(line + b"\n")
+            reply = json.loads(reader.readline())
+            assert reply["ok"] is False and reply["error"]["code"] == "bad_request", reply
+            assert says in reply["error"]["message"], reply
+    assert served.applied == ["a"]
