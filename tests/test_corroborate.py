@@ -151,3 +151,10 @@ def test_an_instance_refused_early_acts_once_the_monitor_sees_it(tmp_path: Path)
     assert pipeline.actions.step([], T0 + 1) == 1
     states = sorted(r.state for r in pipeline.store.recent(10))
     assert states == ["pending", "refused"]
+
+
+def test_a_made_up_action_label_does_not_grow_the_metric(tmp_path: Path) -> None:
+    pipeline = Pipeline(tmp_path)
+    for n in range(3):
+        pipeline.receive({**labels(), "action": f"made-up-{n}\n"})
+    assert pipeline.observed == [("unknown", "refused")] * 3

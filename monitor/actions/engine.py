@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lossguard.common.printable import escaped
 from lossguard.monitor.actions.corroborate import Corroborator
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
@@ -20,7 +21,7 @@ from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionAlert, ActionRecord
 from lossguard.monitor.actions.next_steps import next_steps
 from lossguard.monitor.actions.planner import ActionPlanner
-from lossguard.monitor.actions.policy import ACTION_LABEL, ActionsConfig
+from lossguard.monitor.actions.policy import ACTION_LABEL, ACTIONS, ActionsConfig
 from lossguard.monitor.actions.runner import ActionRunner, Done, Observe
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo
@@ -160,13 +161,14 @@ class Actions:
             reason=reason,
         )
         if self.store.add(record):
-            self.observe(record.kind, "refused")
+            # the payload's action label may be anything: the metric's label stays bounded
+            self.observe(record.kind if record.kind in ACTIONS else "unknown", "refused")
             log.warning(
-                "refused %s for run %r from Alertmanager (%s): %s",
-                record.kind,
-                record.run_id,
-                record.alertname,
-                reason,
+                "refused %s for run %s from Alertmanager (%s): %s",
+                escaped(record.kind),
+                escaped(record.run_id),
+                escaped(record.alertname),
+                escaped(reason),
             )
 
     def annotate(self, alert: AlertInfo) -> AlertInfo:
