@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo
 from lossguard.common.ownership import distrust_file, trusted_owners
-from lossguard.common.protocol import SOCKET_NAME
-from lossguard.common.supervisor_file import SUPERVISOR_FILE, SupervisorInfo, pid_alive
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.names import AGENT_FILE, SOCKET_NAME, SUPERVISOR_FILE
+from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
 from lossguard.monitor.sources.liveness import DeadRun, dead_run
 
 log = logging.getLogger(__name__)

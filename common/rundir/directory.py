@@ -11,24 +11,31 @@ import platform
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import yaml
 
-from lossguard.agent.checkpoint.files import fsync_dir
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR
 from lossguard.common import __version__
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo, RunExit
 from lossguard.common.config import ConfigError
 from lossguard.common.ownership import PRIVATE_DIR, claim_directory
+from lossguard.common.rundir.agent_file import AgentInfo, RunExit
+from lossguard.common.rundir.files import fsync_dir, write_atomically
+from lossguard.common.rundir.jsonl import JsonlLog, read_jsonl
+from lossguard.common.rundir.names import (
+    AGENT_FILE,
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    ENV_FILE,
+    EVENTS_LOG,
+    METRICS_LOG,
+)
 
 RECORDED_PACKAGES = ("torch", "torchao", "numpy", "pydantic", "prometheus-client", "nvidia-ml-py")
-RUN_RECORDS = (CHECKPOINT_DIR, "metrics.jsonl", "events.jsonl", "config.yaml", "env.json")
+RUN_RECORDS = (CHECKPOINT_DIR, METRICS_LOG, EVENTS_LOG, CONFIG_FILE, ENV_FILE)
 """What a run leaves in its directory, beside ``agent.json`` (rewritten by the next run)."""
 
 
@@ -58,20 +65,6 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o666) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new file, whole; a new
-    file gets ``mode`` (less the umask)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()  # a leftover keeps its mode: start afresh
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with open(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def set_aside(path: Path) -> Path | None:
     """Move the previous run's records (``RUN_RECORDS``) out of the run directory ``path`` into
     a new ``path/overwritten-<local time>/`` and return that folder; None when there was nothing
@@ -93,32 +86,6 @@ def set_aside(path: Path) -> Path | None:
     return aside
 
 
-class JsonlLog:
-    """An append-only JSON-lines file, safe to write from several threads; each line is
-    flushed, so a crash loses at most the line being written."""
-
-    def __init__(self, path: Path, mode: int = 0o600) -> None:
-        self.path = path
-        self.mode = mode  # of the file, when this creates it
-        self._lock = threading.Lock()
-        self._file: IO[str] | None = None
-
-    def append(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps(record, allow_nan=True, default=str) + "\n"
-        with self._lock:
-            if self._file is None:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
-                self._file = open(fd, "a", encoding="utf-8")  # noqa: SIM115
-            self._file.write(line)
-            self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-
-
 class RunDirectory:
     """``runs/<run_id>/``: written by rank 0 only. Private by default: the directory is 0700
     and the records written in it 0600 (``mode``: another directory mode, say 0750 to let a
@@ -134,27 +101,16 @@ class RunDirectory:
         except ValueError as exc:
             raise ConfigError(f"run.dir: {exc}") from None
         self.file_mode = (PRIVATE_DIR if mode is None else mode) & 0o666
-        self.metrics = JsonlLog(self.path / "metrics.jsonl", self.file_mode)
-        self.events = JsonlLog(self.path / "events.jsonl", self.file_mode)
+        self.metrics = JsonlLog(self.path / METRICS_LOG, self.file_mode)
+        self.events = JsonlLog(self.path / EVENTS_LOG, self.file_mode)
 
     def read_events(self) -> list[dict[str, Any]]:
         """The audit trail so far; a line torn by a crash is left out."""
-        path = self.path / "events.jsonl"
-        if not path.exists():
-            return []
-        records = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
+        return list(read_jsonl(self.path / EVENTS_LOG).records)
 
     def write_config(self, resolved: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(dict(resolved), sort_keys=False)
-        write_atomically(self.path / "config.yaml", text, self.file_mode)
+        write_atomically(self.path / CONFIG_FILE, text, mode=self.file_mode)
 
     def write_env(self, device: Mapping[str, Any], world_size: int) -> None:
         env = {
@@ -168,7 +124,7 @@ class RunDirectory:
             "git_commit": git_commit(),
             "argv": sys.argv,
         }
-        write_atomically(self.path / "env.json", json.dumps(env, indent=2) + "\n", self.file_mode)
+        write_atomically(self.path / ENV_FILE, json.dumps(env, indent=2) + "\n", mode=self.file_mode)
 
     def write_discovery(
         self,
@@ -189,7 +145,7 @@ class RunDirectory:
             world_size=world_size,
             version=__version__,
         )
-        write_atomically(self.path / AGENT_FILE, info.to_json(), self.file_mode)
+        write_atomically(self.path / AGENT_FILE, info.to_json(), mode=self.file_mode)
 
     def mark_finished(self, exit: RunExit) -> None:
         """Record in ``agent.json`` how the run ended (completed, stopped or failed), so a
@@ -198,7 +154,7 @@ class RunDirectory:
         if not path.exists():
             return
         info = AgentInfo.parse(path.read_bytes()).finished(exit, at=time.time())
-        write_atomically(path, info.to_json(), self.file_mode)
+        write_atomically(path, info.to_json(), mode=self.file_mode)
 
     def close(self) -> None:
         self.metrics.close()

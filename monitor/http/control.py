@@ -13,13 +13,20 @@ import logging
 import uuid
 from pathlib import Path
 
-from lossguard.common.control_client import ControlError, ControlTimeout, ControlUnavailable
+from lossguard.common.control.client import ControlError, ControlTimeout, ControlUnavailable
+from lossguard.common.control.protocol import ErrorCode, ProtocolError, encode, parse_request
+from lossguard.common.control.protocol import Request as Command
 from lossguard.common.jsondepth import load_bounded
 from lossguard.common.printable import escaped
-from lossguard.common.protocol import ErrorCode, ProtocolError, encode, parse_request
-from lossguard.common.protocol import Request as Command
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
-from lossguard.monitor.api import Request, Response, Route, api_data, api_error, token_refusal
+from lossguard.monitor.http.messages import (
+    Request,
+    Response,
+    Route,
+    api_data,
+    api_error,
+    token_refusal,
+)
 from lossguard.monitor.runs import read_runs
 
 log = logging.getLogger("lossguard.monitor.api")

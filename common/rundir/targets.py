@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lossguard.agent.checkpoint.meta import CheckpointError, CheckpointMeta
+from lossguard.common.rundir.checkpoints import CheckpointError, CheckpointMeta
 
 NAMED_TARGETS = ("latest", "best", "last_good")
 SUPERSEDED = "superseded"  # meta.extra flag, see CheckpointStore.supersede_after
