@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lossguard.common.config import Section, field_error, read_config_file, validate
-from lossguard.common.protocol import MIN_TOKEN_LENGTH
+from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
 
 
 class RunConfig(Section):

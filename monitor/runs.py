@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from lossguard.common.catalogue import STEP, exposed_name
 from lossguard.common.rundir.agent_file import AgentInfo
-from lossguard.common.rundir.names import AGENT_FILE
 from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
 from lossguard.monitor.notify.model import RUN_LABEL
 from lossguard.monitor.promql import PromQLError

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lossguard.agent.control import server as control_server
-from lossguard.agent.control.server import ControlServer
-from lossguard.common import control_gate
-from lossguard.common.control_client import ControlClient, ControlError
-from lossguard.common.protocol import ok_reply
+from lossguard.common.control import gate as control_gate
+from lossguard.common.control import server as control_server
+from lossguard.common.control.client import ControlClient, ControlError
+from lossguard.common.control.protocol import ok_reply
+from lossguard.common.control.server import ControlServer
 
 from .conftest import run_cli, tiny_settings, wait_for, write_config
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from lossguard.common.supervisor_file import SUPERVISOR_FILE
+from lossguard.common.rundir.names import SUPERVISOR_FILE
 from lossguard.monitor.sources import discovery
 from lossguard.monitor.sources.discovery import discover_agents, trust_owners
 

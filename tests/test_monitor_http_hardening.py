@@ -18,13 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from lossguard.monitor import api
 from lossguard.monitor.actions.endpoints import Endpoints
 from lossguard.monitor.actions.engine import Refusal
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.policy import ActionsConfig
-from lossguard.monitor.api import ALERTMANAGER_PATH, MonitorServer
-from lossguard.monitor.http_control import control_route
+from lossguard.monitor.http import server as api
+from lossguard.monitor.http.control import control_route
+from lossguard.monitor.http.ops import ALERTMANAGER_PATH
+from lossguard.monitor.http.server import MonitorServer
 from tests.conftest import wait_for
 from tests.test_intake import PAYLOAD, TOKEN
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from lossguard.agent.config import RunConfig
-from lossguard.agent.rundir import RunDirectory
 from lossguard.common.config import ConfigError
+from lossguard.common.rundir.directory import RunDirectory
 
 from .conftest import run_cli, tiny_settings, write_config
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from lossguard.common.control.gate import PeerGate
-from lossguard.common.jsondepth import load_bounded
 from lossguard.common.control.protocol import (
     COMMAND_ARGS,
     MAX_LINE_BYTES,
@@ -36,6 +35,7 @@ from lossguard.common.control.protocol import (
     ok_reply,
     parse_request,
 )
+from lossguard.common.jsondepth import load_bounded
 from lossguard.common.rundir.events import COMMAND
 
 log = logging.getLogger("lossguard.agent.control")

@@ -3,7 +3,6 @@ the audit trail."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -124,7 +123,9 @@ class RunDirectory:
             "git_commit": git_commit(),
             "argv": sys.argv,
         }
-        write_atomically(self.path / ENV_FILE, json.dumps(env, indent=2) + "\n", mode=self.file_mode)
+        write_atomically(
+            self.path / ENV_FILE, json.dumps(env, indent=2) + "\n", mode=self.file_mode
+        )
 
     def write_discovery(
         self,

@@ -90,9 +90,7 @@ def alertmanager_route(on_alerts: OnAlerts, token: str | None, token_env: str) -
         log.info(
             "alertmanager webhook: %d alerts: %s",
             len(alerts),
-            ", ".join(
-                f"{escaped(a.labels.get('alertname', '?'))} {a.status}" for a in alerts[:5]
-            )
+            ", ".join(f"{escaped(a.labels.get('alertname', '?'))} {a.status}" for a in alerts[:5])
             + (", ..." if len(alerts) > 5 else ""),
         )
         try:
