@@ -74,6 +74,11 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "gpu_utilization_ratio": ("gauge", "NVML GPU utilisation.", ()),
     "gpu_power_watts": ("gauge", "NVML power draw.", ()),
     "gpu_temperature_celsius": ("gauge", "NVML GPU temperature.", ()),
+    "gpu_info": (
+        "gauge",
+        "The GPU this rank trains on, labelled as DCGM's exporter labels it (value 1).",
+        ("Hostname", "gpu", "UUID", "modelName"),
+    ),
     "checkpoint_step": ("gauge", "Step of the latest, best and last good checkpoint.", ("kind",)),
     "checkpoint_timestamp_seconds": ("gauge", "Wall time of the last completed checkpoint.", ()),
     "checkpoint_in_progress": ("gauge", "1 while a checkpoint is being written.", ()),
@@ -92,7 +97,12 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "grad_exploding_layers": ("gauge", "Layers with an exploding gradient.", ()),
     "grad_dead_neuron_ratio": ("gauge", "Largest fraction of rows with all-zero gradient.", ()),
 }
-NVML_METRICS = ("gpu_utilization_ratio", "gpu_power_watts", "gpu_temperature_celsius")
+NVML_METRICS = (
+    "gpu_utilization_ratio",
+    "gpu_power_watts",
+    "gpu_temperature_celsius",
+    "gpu_info",
+)
 
 
 def exposed_name(name: str) -> str:

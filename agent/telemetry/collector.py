@@ -102,6 +102,9 @@ class Telemetry:
         }
         self.nvml = Nvml(device)
         self.metrics = AgentMetrics(run_id, rank, nvml=self.nvml.available)
+        identity = self.nvml.identity()
+        if identity is not None:  # the join key with DCGM's series: host name and GPU
+            self.metrics.set("gpu_info", 1, Hostname=socket.gethostname(), **identity)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         port = cfg.port + local_rank if cfg.port else 0
         self.exporter = Exporter.start(self.metrics.registry, cfg.host, port)
