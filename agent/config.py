@@ -7,13 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lossguard.common.config import Section, field_error, read_config_file, validate
+from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
 
 
 class RunConfig(Section):
@@ -24,10 +26,35 @@ class RunConfig(Section):
         description="Run name; the run directory is <dir>/<id>. Default: <timestamp>.",
     )
     dir: Path = Field(default=Path("runs"), description="Root folder that holds run directories.")
+    mode: str = Field(
+        default="0700",
+        description="The run directory's mode, an octal string: 0700 (private, the default), "
+        "or 0750 to let the directory's group read the run (docs/security.md); never "
+        "writable by group or others. Records written in it get the same bits, less execute.",
+    )
     seed: int = Field(default=1337, ge=0, description="Seed of model init, sampling and dropout.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="auto = cuda when available, else cpu."
     )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode(cls, value: Any) -> str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = f"0{value:o}"  # YAML 1.1 reads an unquoted 0750 as an octal number
+        text = str(value)
+        if not re.fullmatch(r"0?[0-7]{3}", text):
+            raise ValueError("must be an octal mode such as '0700' or '0750' (quote it)")
+        bits = int(text, 8)
+        if bits & 0o700 != 0o700:
+            raise ValueError("must give the owner rwx (0700, 0750, ...)")
+        if bits & 0o022:
+            raise ValueError("must not let the group or others write (0700, 0750, ...)")
+        return f"0{bits:o}"
+
+    @property
+    def mode_bits(self) -> int:
+        return int(self.mode, 8)
 
 
 class ModelConfig(Section):
@@ -163,8 +190,18 @@ class ControlConfig(Section):
     def _tcp_needs_token(self) -> ControlConfig:
         if self.tcp is not None and int(self.tcp.rpartition(":")[2]) > 65535:
             raise field_error("tcp", "port must be <= 65535")
-        if self.tcp is not None and not os.environ.get(self.token_env):
-            raise field_error("tcp", f"needs a token in the environment variable {self.token_env}")
+        if self.tcp is not None:
+            token = os.environ.get(self.token_env, "")
+            if not token:
+                raise field_error(
+                    "tcp", f"needs a token in the environment variable {self.token_env}"
+                )
+            if len(token) < MIN_TOKEN_LENGTH:
+                raise field_error(
+                    "tcp",
+                    f"the token in {self.token_env} has {len(token)} characters, fewer than "
+                    f"{MIN_TOKEN_LENGTH}: make one with openssl rand -hex 32",
+                )
         return self
 
 

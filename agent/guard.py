@@ -187,7 +187,7 @@ class Guard:
         )
         self.log.start = (self.step, self.log.data_position())
         if self.rank == 0:
-            self.run_dir = RunDirectory(self.path)
+            self.run_dir = RunDirectory(self.path, self.config.run.mode_bits)
             opened = open_run(
                 self.run_dir,
                 self.config,
@@ -196,6 +196,7 @@ class Guard:
                 world_size=self.world_size,
                 telemetry=self.telemetry,
                 on_reject=self._record_rejected,
+                on_refused=self._count_refused,
                 progress=(max_steps, self.step) if progress else None,
             )
             self.control, self.checkpoints, self.sinks = opened
@@ -528,6 +529,12 @@ class Guard:
         saved = self.recovery.last_saved_step
         if self.config.checkpoint.save_on_exit and saved != self.step:
             self.save("final", wait=True)
+
+    def _count_refused(self, reason: str) -> None:
+        """A control connection or request refused before authentication: counted only (an
+        unauthenticated peer must not grow the audit trail)."""
+        if self.telemetry is not None:
+            self.telemetry.control_refused(reason)
 
     def _record_rejected(self, request_id: str | None, code: ErrorCode, message: str) -> None:
         if request_id is not None:  # a command we could identify; garbage lines are not events

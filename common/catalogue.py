@@ -17,6 +17,7 @@ SIGNALS = ("loss", "grad_norm")
 FP8_TENSORS = ("input", "weight", "grad_output")
 MEMORY_KINDS = ("allocated", "reserved", "peak_allocated")
 CHECKPOINT_KINDS = ("latest", "best", "last_good")
+CONTROL_REFUSALS = ("timeout", "unauthorized", "busy")
 
 
 # name (without prefix) -> (type, help, extra label names)
@@ -84,6 +85,12 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "checkpoint_save_duration_seconds": ("histogram", "Checkpoint save wall time.", ()),
     "rollbacks": ("counter", "Rollbacks applied.", ()),
     "control_commands": ("counter", "Control commands by outcome.", ("command", "result")),
+    "control_refusals": (
+        "counter",
+        "Control connections and requests refused before authentication (TCP): no token line "
+        "in time (timeout), a wrong or missing token (unauthorized), no free slot (busy).",
+        ("reason",),
+    ),
     "paused": ("gauge", "1 while training is paused.", ()),
     "grad_layer_norm": ("gauge", "Gradient L2 norm of the top-k layers.", ("layer",)),
     "grad_vanishing_layers": ("gauge", "Layers with a vanishing gradient.", ()),

@@ -227,3 +227,18 @@ def test_alerts_and_actions_come_from_the_monitor_state(tmp_path: Path) -> None:
         read_run(run_dir, other)
     with contextlib.closing(sqlite3.connect(other)) as conn:
         assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("notes",)]
+
+
+def test_text_from_the_run_is_drawn_as_written_not_as_math(tmp_path: Path) -> None:
+    """A ``$`` in a request id (any client may choose one) is a dollar sign in the figures."""
+    run_dir = tmp_path / "own"
+    own_loop_run(run_dir)
+    step = read_run(run_dir).train[-1].step
+    odd = ["cost$5", r"$\undefinedmacro{x}$", "$$"]
+    with open(run_dir / "events.jsonl", "a", encoding="utf-8") as out:
+        for request_id in odd:
+            event = {"event": "command", "cmd": "pause", "id": request_id, "ok": True}
+            out.write(json.dumps({**event, "step": step, "time": 0.0}) + "\n")
+    files = write_report(run_dir, tmp_path / "out")
+    page = files.html.read_text(encoding="utf-8")
+    assert "cost$5" in page and "undefinedmacro" in page

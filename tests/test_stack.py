@@ -58,10 +58,12 @@ from .conftest import (
     write_config,
 )
 from .dcgm_exporter import IDENTITY, dcgm_exposition
-from .promserver import ExpositionServer, PromServer, prometheus_binary, running
+from .promserver import ExpositionServer, PromServer, prometheus_binary, running, web_config_flag
+from .webauth import WebAuth
 
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "stack-test-token"
+AUTH = WebAuth()  # Prometheus's and Alertmanager's basic auth, as in compose
 DASHBOARDS = sorted((REPO / "dashboards" / "json").glob("*.json"))
 RULES = REPO / "alerts" / "lossguard.rules.yml"
 RUNS = ("sup", "fp16", "fp8")
@@ -101,8 +103,9 @@ class Stack:
 # ---------------------------------------------------------------------------- the stack
 
 
-def prometheus_config(monitor: str, alertmanager_url: str, dcgm: str) -> str:
-    """deploy/prometheus.yml with 1 s intervals and the test's addresses, otherwise unchanged."""
+def prometheus_config(monitor: str, alertmanager_url: str, dcgm: str, password_file: Path) -> str:
+    """deploy/prometheus.yml with 1 s intervals and the test's addresses and password file,
+    otherwise unchanged."""
     text = shipped = (REPO / "deploy" / "prometheus.yml").read_text()
     replacements = {
         "scrape_interval: 5s": "scrape_interval: 1s",
@@ -110,6 +113,7 @@ def prometheus_config(monitor: str, alertmanager_url: str, dcgm: str) -> str:
         "'alertmanager:9093'": f"'{alertmanager_url.split('//')[1]}'",
         "'monitor:9409'": f"'{monitor.split('//')[1]}'",
         "'dcgm-exporter:9400'": f"'{dcgm}'",
+        "/etc/prometheus/secrets/web-password": str(password_file),
     }
     for old, new in replacements.items():
         assert shipped.count(old) == 1, old
@@ -168,6 +172,7 @@ def agent_settings(runs: Path, cache: Path, run_id: str, **sections: Any) -> dic
 
 
 def start_prometheus(layout: Path, data: Path) -> PromServer:
+    """Prometheus on the laid-out deploy/prometheus.yml, behind basic auth as in compose."""
     port = free_port()
     with open(layout / PromServer.LOG_FILE, "wb") as log:
         process = subprocess.Popen(
@@ -177,11 +182,12 @@ def start_prometheus(layout: Path, data: Path) -> PromServer:
                 f"--storage.tsdb.path={data}",
                 f"--web.listen-address=127.0.0.1:{port}",
                 "--log.level=warn",
+                *web_config_flag(layout, AUTH),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    return PromServer(process, port, layout)
+    return PromServer(process, port, layout, AUTH.pair)
 
 
 def monitor_actions(monitor_url: str) -> list[dict[str, Any]]:
@@ -281,10 +287,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
     monitor = start_monitor(config, env={TOKEN_ENV: TOKEN})
     try:
         with alertmanager(
-            tmp / "alertmanager", alertmanager_config(monitor_url, tmp / "secrets")
+            tmp / "alertmanager", alertmanager_config(monitor_url, tmp / "secrets"), AUTH
         ) as am:
+            password = AUTH.password_file(tmp / "secrets" / "web-password")
             (layout / "deploy" / "prometheus.yml").write_text(
-                prometheus_config(monitor_url, am.url, dcgm.instance)
+                prometheus_config(monitor_url, am.url, dcgm.instance, password)
             )
             prom = start_prometheus(layout, tmp / "tsdb")
             with running(prom, "Prometheus", 30):

@@ -371,6 +371,9 @@ class Telemetry:
         if ok and command == "rollback":
             self.metrics.inc("rollbacks")
 
+    def control_refused(self, reason: str) -> None:
+        self.metrics.inc("control_refusals", reason=reason)
+
     def paused(self, paused: bool) -> None:
         self.metrics.set("paused", int(paused))
 

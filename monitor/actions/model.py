@@ -11,10 +11,11 @@ from typing import Any, Literal
 from lossguard.monitor.notify.model import RUN_LABEL
 
 Origin = Literal["rules", "alertmanager"]
-ActionState = Literal["held", "pending", "applied", "failed", "dry_run", "dropped"]
+ActionState = Literal["held", "pending", "applied", "failed", "dry_run", "dropped", "refused"]
 """held: a silence holds it back; pending: recorded, to be sent (again) until answered;
 applied: the agent applied it; failed: refused by the agent or given up; dry_run: announced
-only; dropped: held until its alert ended, never sent."""
+only; dropped: held until its alert ended, never sent; refused: an alert from Alertmanager the
+monitor did not corroborate (:mod:`lossguard.monitor.actions.corroborate`), never sent."""
 OPEN_STATES: tuple[ActionState, ...] = ("held", "pending")
 
 
