@@ -80,7 +80,7 @@ def test_the_training_pod_runs_a_supervisor_per_node(monkeypatch: pytest.MonkeyP
     assert master == f"--master-addr=lossguard-train-0.{service['metadata']['name']}"
     token = next(e for e in container["env"] if e["name"] == "LOSSGUARD_CONTROL_TOKEN")
     assert token["valueFrom"]["secretKeyRef"]["name"] == "lossguard"
-    monkeypatch.setenv("LOSSGUARD_CONTROL_TOKEN", "from-the-secret")
+    monkeypatch.setenv("LOSSGUARD_CONTROL_TOKEN", "from-the-secret-" + "0" * 16)
     train = yaml.safe_load(named("ConfigMap", "lossguard-train")["data"]["train.yaml"])
     config = parse_config(train)
     assert f"{config.run.dir}/{config.run.id}" == args.run_dir.as_posix()

@@ -116,7 +116,8 @@ def test_a_killed_agent_pages_training_process_died_and_not_agent_down(
         )
         assert labels["last_step"] == str(step) and labels["last_checkpoint"].startswith(newest)
         summary = (
-            f"Run victim crashed at step {step}; last checkpoint {labels['last_checkpoint']}; "
+            f"Run victim crashed on {labels['host']} at step {step}; "
+            f"last checkpoint {labels['last_checkpoint']}; "
             "no supervisor restarts it"
         )
         assert alert["annotations"]["summary"] == summary
