@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from lossguard.agent.checkpoint.cadence import periodic_save_due, snapshot_store
 from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
@@ -225,10 +226,12 @@ class Guard:
         self._interval_start = (self.step, self._data_position())
         if self.rank == 0:
             self._open_run_directory(progress)
+        self._snapshot_due = False
         self.recovery = Recovery(
             self.state,
             self.progress,
             store=self.checkpoints,
+            snapshots=snapshot_store(self.config.snapshot),
             group=self._group,
             rank=self.rank,
             world_size=self.world_size,
@@ -242,6 +245,7 @@ class Guard:
             self,
             control=self.control,
             store=self.checkpoints,
+            snapshots=self.recovery.snapshots,
             telemetry=self.telemetry,
             group=self._group,
             rank=self.rank,
@@ -261,6 +265,7 @@ class Guard:
         if target is not None:
             self._resume(target, skip_batches, str(source))
         self._before_next_step()
+        self._take_snapshot()  # the state training starts from: something to roll back to
 
     def _on_main(self, work: Callable[[], T]) -> T:
         """Run ``work`` on rank 0; every rank returns its result or raises its exception."""
@@ -412,6 +417,7 @@ class Guard:
         saved = self.recovery.unclaimed.pop(name, None)
         if saved is not None:
             obj.load_state_dict(saved)
+        self._take_snapshot()  # this boundary's snapshot holds it too
 
     def after_backward(
         self, loss: torch.Tensor, *, tokens: int, replay: Replay | None = None
@@ -423,6 +429,8 @@ class Guard:
         runs this step's forward and backward again, on the same batches, through the module
         it is given (the high-precision shadow), and returns the loss as passed here. It is
         called on check steps only, before clipping."""
+        if self.recovery.snapshots is not None:  # the update below must wait for its copy
+            self.recovery.snapshots.before_update()
         if self.scaler is not None and self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
         if self.telemetry is not None:  # sampled steps only: FP8 health and fidelity, gradients
@@ -454,18 +462,26 @@ class Guard:
         if self.telemetry is not None:
             self.telemetry.step_done(self.step)
         self._before_next_step()
-        if self.step % self.log_every == 0 or self.step == self.max_steps:
+        logged = self.step % self.log_every == 0 or self.step == self.max_steps
+        if logged:
             self._log_interval()
-        every = self.config.checkpoint.every
-        self._save_due = every is not None and self.step % every == 0
+        self._save_due = periodic_save_due(
+            self.config.checkpoint, self.step, logged, self.recovery.last_saved_at, self._group
+        )
+        every = self.config.snapshot.every
+        self._snapshot_due = every is not None and self.step % every == 0
 
     def poll(self) -> None:
-        """At this step boundary: take the periodic checkpoint (after any evaluation of this
-        step, so it carries the val loss), then apply control commands and stop signals. While
-        the run is paused this blocks, still serving commands, until resumed or stopped."""
+        """At this step boundary: take the periodic checkpoint and snapshot (after any
+        evaluation of this step, so they carry the val loss), then apply control commands and
+        stop signals. While the run is paused this blocks, still serving commands, until
+        resumed or stopped."""
         if self._save_due:
             self._save_due = False
             self.save("periodic")
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self._take_snapshot()
         while True:
             with self.idle() if self.paused else contextlib.nullcontext():
                 commands, signalled = self.commands.gather(
@@ -650,6 +666,10 @@ class Guard:
             on_done=on_done,
         )
 
+    def _take_snapshot(self) -> None:
+        val = self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
+        self.recovery.take_snapshot(train_loss=self.last_train_loss, val_loss=val)
+
     def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> dict[str, Any]:
         """Load a checkpoint into every registered state on every rank; then skip batches.
         Returns what was restored: checkpoint name and step. A checkpoint that cannot be
@@ -710,7 +730,7 @@ class Guard:
         self.last_train_loss = meta.train_loss
         self.last_val = (meta.step, meta.val_loss) if meta.val_loss is not None else None
         self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
-        self._save_due = False
+        self._save_due = self._snapshot_due = False
         self.interval.reset()
         self.episode = None  # a new timeline: what was seen after this step did not happen
         if self.telemetry is not None:  # counters count on from the restored totals

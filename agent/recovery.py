@@ -7,6 +7,7 @@ rollback. Collective under torchrun: every rank calls ``save`` and ``restore`` t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -18,7 +19,9 @@ from torch import nn
 
 from lossguard.agent.checkpoint.meta import CheckpointMeta
 from lossguard.agent.checkpoint.snapshot import snapshot
+from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.checkpoint.store import CheckpointStore
+from lossguard.agent.checkpoint.targets import is_in_memory, is_superseded, named_states
 from lossguard.agent.distributed import all_gather_objects, all_reduce_max, broadcast_objects
 from lossguard.agent.rng import capture_rng, restore_rng
 from lossguard.agent.telemetry.collector import Telemetry
@@ -125,7 +128,8 @@ OnSaved = Callable[[CheckpointMeta | BaseException], None]
 class Recovery:
     """Saves and restores every registered state (``state``, shared with the Guard).
 
-    ``store`` is the checkpoint store on rank 0 and None elsewhere; ``healthy_now`` says whether
+    ``store`` is the checkpoint store on rank 0 and None elsewhere; ``snapshots`` this rank's
+    in-memory snapshots (None: off); ``healthy_now`` says whether
     this rank is healthy at this boundary (DESIGN.md ``last_good``); ``on_restored`` runs after
     every restore; ``event`` appends to the audit trail.
     """
@@ -136,6 +140,7 @@ class Recovery:
         progress: TrainProgress,
         *,
         store: CheckpointStore | None,
+        snapshots: SnapshotStore | None,
         group: Any,
         rank: int,
         world_size: int,
@@ -148,6 +153,7 @@ class Recovery:
         self.state = state
         self.progress = progress
         self.store = store
+        self.snapshots = snapshots
         self.group = group
         self.rank = rank
         self.world_size = world_size
@@ -157,6 +163,7 @@ class Recovery:
         self.on_restored = on_restored
         self.event = event
         self.last_saved_step: int | None = None
+        self.last_saved_at = time.monotonic()  # the time cadence counts from the start
         self.state_mixed = False  # a restore failed halfway: this state must never be saved
         self.unclaimed: dict[str, Any] = {}
         """State in the last restored checkpoint under names not registered (yet)."""
@@ -191,6 +198,7 @@ class Recovery:
         payload, all_healthy = self.payload()
         step = self.progress.step
         self.last_saved_step = step  # on every rank: finish() must agree on the collective
+        self.last_saved_at = time.monotonic()
         if self.store is None:
             return
         store = self.store
@@ -210,7 +218,7 @@ class Recovery:
             seconds = time.perf_counter() - started
             failed = isinstance(result, BaseException)
             if self.telemetry is not None:
-                self.telemetry.checkpoint_finished(None if failed else seconds, store.named())
+                self.telemetry.checkpoint_finished(None if failed else seconds, self.named())
             if isinstance(result, BaseException):
                 log.error("checkpoint at step %d failed: %s", step, result)
                 self.event("checkpoint_failed", reason=reason, error=str(result))
@@ -235,6 +243,33 @@ class Recovery:
             finished(exc)
             return
         finished(meta)
+
+    def named(self) -> dict[str, CheckpointMeta | None]:
+        """Rank 0: the states ``latest``, ``best`` and ``last_good`` mean, on disk or in memory."""
+        disk = self.store.list() if self.store is not None else []
+        return named_states(disk, self.snapshots.list() if self.snapshots else [])
+
+    def take_snapshot(self, *, train_loss: float | None, val_loss: float | None) -> None:
+        """Copy the state to host memory (every rank; collective like ``payload``). The first
+        time the budget refuses one, snapshots turn off: audited and exported."""
+        snapshots = self.snapshots
+        if snapshots is None or not snapshots.enabled or self.state_mixed:
+            return
+        payload, all_healthy = self.payload()
+        meta = snapshots.take(
+            self.progress.step,
+            payload,
+            tokens=self.progress.tokens,
+            healthy=all_healthy,
+            train_loss=train_loss,
+            val_loss=val_loss,
+        )
+        if meta is None:
+            self.event("snapshots_off", reason=snapshots.off_reason)
+        if self.telemetry is not None:
+            self.telemetry.snapshots(snapshots.enabled, snapshots.held_bytes)
+            if self.store is not None:
+                self.telemetry.states_changed(self.named())
 
     def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> CheckpointMeta:
         """Load a checkpoint into every registered state on every rank; then skip batches.
@@ -263,8 +298,9 @@ class Recovery:
         loaded: list[Any] = [None]
         if self.store is not None:
             self.store.wait()
+            memory = self.snapshots.list() if self.snapshots is not None else []
             try:
-                meta, payload = self.store.load(target, before_step)
+                meta, payload = self.store.load_or_snapshot(target, before_step, memory)
                 loaded = [{"meta": meta, "payload": payload}]
             except Exception as exc:
                 loaded = [f"{exc}"]
@@ -272,7 +308,10 @@ class Recovery:
         if isinstance(loaded[0], str):
             raise RestoreError(loaded[0], not_found=True)
         meta = loaded[0]["meta"]
-        payload = _upgraded(loaded[0]["payload"], meta.name)
+        payload = loaded[0]["payload"]
+        if payload is None:  # a snapshot: each rank takes its own from memory
+            payload = self._from_memory(meta.name)
+        payload = _upgraded(payload, meta.name)
         missing = sorted(n for n in set(self.state) - set(payload["state"]) if not is_optional(n))
         if missing:
             raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
@@ -297,13 +336,35 @@ class Recovery:
         )
         if skip:
             data.skip(skip)  # type: ignore[union-attr]
-        if self.store is not None:  # later checkpoints belong to the timeline we left
-            left = self.store.supersede_after(meta)
-            if left:
-                self.event("superseded", checkpoints=left, restored=meta.name)
-            if self.telemetry is not None:
-                self.telemetry.checkpoint_finished(None, self.store.named())
+        self._leave_timeline(meta)
         return meta, skip
+
+    def _from_memory(self, name: str) -> dict[str, Any]:
+        """This rank's snapshot ``name`` (every rank has it, or the restore changes nothing)."""
+        payload: dict[str, Any] | None = None
+        if self.snapshots is not None:
+            with contextlib.suppress(KeyError):
+                payload = self.snapshots.payload(name)
+        if all_reduce_max([int(payload is None)], self.group)[0]:
+            raise RestoreError(f"snapshot {name} is not in memory on every rank", not_found=True)
+        assert payload is not None
+        return payload
+
+    def _leave_timeline(self, meta: CheckpointMeta) -> None:
+        """After a restore: later checkpoints and snapshots belong to the timeline we left
+        (every snapshot, when ``meta`` itself was on an abandoned one)."""
+        if self.snapshots is not None:
+            if is_superseded(meta) and not is_in_memory(meta):
+                self.snapshots.clear()
+            else:
+                self.snapshots.discard_after(meta.step)
+        if self.store is None:
+            return
+        left = self.store.supersede_after(meta)
+        if left:
+            self.event("superseded", checkpoints=left, restored=meta.name)
+        if self.telemetry is not None:
+            self.telemetry.states_changed(self.named())
 
     def rollback(
         self,

@@ -352,9 +352,18 @@ class Telemetry:
         if seconds is not None:
             self.metrics.observe("checkpoint_save_duration_seconds", seconds)
             self.metrics.set("checkpoint_timestamp_seconds", time.time())
+        self.states_changed(named)
+
+    def states_changed(self, named: dict[str, CheckpointMeta | None]) -> None:
+        """The steps of the latest, best and last good states, on disk or in memory."""
         for kind, meta in named.items():
             if meta is not None:
                 self.metrics.set("checkpoint_step", meta.step, kind=kind)
+
+    def snapshots(self, enabled: bool, held_bytes: int) -> None:
+        """Whether in-memory snapshots are on, and the host memory they hold."""
+        self.metrics.set("snapshots_enabled", int(enabled))
+        self.metrics.set("snapshot_bytes", held_bytes)
 
     def command_applied(self, command: str, ok: bool) -> None:
         self.metrics.inc("control_commands", command=command, result="ok" if ok else "error")
