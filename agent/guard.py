@@ -185,6 +185,7 @@ class Guard:
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
         self._save_due = False
+        self._logged_healthy: bool | None = True  # as of the last log interval (None: unknown)
         self._nonfinite_checkpoint_taken = False
         self.signals = StopSignals()
         self.interval = Interval(self.device)
@@ -545,11 +546,14 @@ class Guard:
         if self.scaler is not None:
             record["loss_scale"] = float(self.scaler.get_scale())
         record["skipped_steps"] = int(totals.skipped / self.world_size)
+        by_signal: SignalStats | None = None
         if self.telemetry is not None:
             by_signal = self.telemetry.publish(
                 record, totals.stats, float(totals.local_tokens), elapsed
             )
             self._audit(by_signal, totals)
+        active = by_signal is not None and any(s["active"] for s in by_signal.values())
+        self._logged_healthy = math.isfinite(self.last_train_loss) and not active
         self._emit(record)
         self.interval.reset()
         self._lr_before = record["lr"]
@@ -640,7 +644,10 @@ class Guard:
 
     def _healthy_now(self) -> bool:
         """This rank: false inside a spike episode, or when the current interval or the last
-        logged one saw a non-finite loss (DESIGN.md ``last_good``)."""
+        logged one saw a non-finite loss (DESIGN.md ``last_good``). Right after a log interval
+        (no step since) that interval's reading answers, with no host read."""
+        if self.interval.steps == 0 and self._logged_healthy is not None:
+            return self._logged_healthy
         interval_finite = self.interval.finite()
         last = self.last_train_loss
         in_episode = self.telemetry is not None and self.telemetry.episode_active()
@@ -731,6 +738,7 @@ class Guard:
         self.last_val = (meta.step, meta.val_loss) if meta.val_loss is not None else None
         self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
         self._save_due = self._snapshot_due = False
+        self._logged_healthy = None
         self.interval.reset()
         self.episode = None  # a new timeline: what was seen after this step did not happen
         if self.telemetry is not None:  # counters count on from the restored totals

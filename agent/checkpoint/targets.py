@@ -52,12 +52,23 @@ def ordered_states(
     disk: list[CheckpointMeta], memory: list[CheckpointMeta], target: str | int
 ) -> list[CheckpointMeta]:
     """``ordered`` over checkpoints on disk and snapshots in memory together, most preferred
-    first. States that named targets reach lie on the current timeline, where a later step is
-    a later state; at the same step the snapshot (the cheaper restore) comes first."""
-    candidates = ordered(disk, target) + ordered(memory, target)
+    first: the two orders merged, each kept as it is. A snapshot goes before a checkpoint it
+    is at least as good as for ``target`` (a later step; for ``best`` a lower val loss; for a
+    step, the exact one): the cheaper restore."""
     if target == "best":
-        return sorted(candidates, key=lambda m: (m.val_loss, -m.step, not is_in_memory(m)))
-    return sorted(candidates, key=lambda m: (m.step != target, -m.step, not is_in_memory(m)))
+
+        def key(m: CheckpointMeta) -> tuple[Any, ...]:
+            return (m.val_loss, -m.step)
+    else:
+
+        def key(m: CheckpointMeta) -> tuple[Any, ...]:
+            return (m.step != target, -m.step)
+
+    first, second = ordered(memory, target), ordered(disk, target)
+    merged: list[CheckpointMeta] = []
+    while first and second:
+        merged.append(first.pop(0) if key(first[0]) <= key(second[0]) else second.pop(0))
+    return merged + first + second
 
 
 def named_states(
