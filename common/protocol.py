@@ -51,12 +51,13 @@ class ProtocolError(Exception):
 
 
 Target = int | Literal["last_good", "best", "latest"]
-CHECKPOINT_NAME_RE = re.compile(r"^step_([0-9]{8})$")
+CHECKPOINT_NAME_RE = re.compile(r"^(?:memory/)?step_([0-9]{8})$")
 
 
 def parse_target(value: Any) -> Target:
-    """A checkpoint target: last_good, best, latest, a step number or a checkpoint's name
-    (``step_00000150``, which means step 150); never a path."""
+    """A checkpoint target: last_good, best, latest, a step number or a checkpoint's or
+    in-memory snapshot's name (``step_00000150``, ``memory/step_00000150``: step 150); never a
+    path."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
