@@ -43,6 +43,7 @@ from lossguard.agent.control.server import (
     socket_is_live,
 )
 from lossguard.agent.distributed import broadcast_objects, control_group, rank_and_world
+from lossguard.agent.mitigation import SpikeSkipper
 from lossguard.agent.recovery import (
     DETECTOR_STATE,
     PROGRESS_STATE,
@@ -224,6 +225,7 @@ class Guard:
             )
             for signal_name, detector in self.telemetry.detectors.items():
                 self.state[f"{DETECTOR_STATE}{signal_name}"] = detector
+        self._skipper = self._spike_skipper()
         self._interval_start = (self.step, self._data_position())
         if self.rank == 0:
             self._open_run_directory(progress)
@@ -267,6 +269,19 @@ class Guard:
             self._resume(target, skip_batches, str(source))
         self._before_next_step()
         self._take_snapshot()  # the state training starts from: something to roll back to
+
+    def _spike_skipper(self) -> SpikeSkipper | None:
+        """Rung 1 (``mitigation.skip_spikes``), where this loop can skip on the device."""
+        if not self.config.mitigation.skip_spikes:
+            return None
+        if self.telemetry is None or not self._can_skip:
+            log.warning(
+                "mitigation.skip_spikes is off for this run: skipping an update on the device "
+                "needs telemetry, a fused optimizer and no GradScaler"
+            )
+            return None
+        distributed = self.world_size > 1
+        return SpikeSkipper(self.config.mitigation, self.device, distributed=distributed)
 
     def _on_main(self, work: Callable[[], T]) -> T:
         """Run ``work`` on rank 0; every rank returns its result or raises its exception."""
@@ -449,9 +464,14 @@ class Guard:
             norm_bad = self.telemetry.on_step(loss, norm)
             if self.scaler is not None:
                 self.interval.skipped += norm_bad  # the GradScaler skips these steps itself
-            elif self._can_skip and self.config.telemetry.skip_nonfinite:
-                self.optimizer.found_inf = norm_bad.float()  # type: ignore[union-attr]
-                self.interval.skipped += norm_bad
+            elif self._can_skip and (self.config.telemetry.skip_nonfinite or self._skipper):
+                skip = norm_bad if self.config.telemetry.skip_nonfinite else norm_bad & False
+                self.interval.skipped += skip
+                if self._skipper is not None:  # rung 1: a spike's update is skipped too
+                    spike = self._skipper.flag(self.telemetry.detectors) & ~skip
+                    self.interval.skipped_spikes += spike
+                    skip = skip | spike
+                self.optimizer.found_inf = skip.float()  # type: ignore[union-attr]
         self.interval.add(loss, norm, tokens)
         return norm
 
@@ -546,6 +566,7 @@ class Guard:
         if self.scaler is not None:
             record["loss_scale"] = float(self.scaler.get_scale())
         record["skipped_steps"] = int(totals.skipped / self.world_size)
+        record["skipped_spikes"] = int(totals.skipped_spikes / self.world_size)
         by_signal: SignalStats | None = None
         if self.telemetry is not None:
             by_signal = self.telemetry.publish(
@@ -739,6 +760,8 @@ class Guard:
         self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
         self._save_due = self._snapshot_due = False
         self._logged_healthy = None
+        if self._skipper is not None:
+            self._skipper.reset()
         self.interval.reset()
         self.episode = None  # a new timeline: what was seen after this step did not happen
         if self.telemetry is not None:  # counters count on from the restored totals

@@ -17,6 +17,7 @@ SIGNALS = ("loss", "grad_norm")
 FP8_TENSORS = ("input", "weight", "grad_output")
 MEMORY_KINDS = ("allocated", "reserved", "peak_allocated")
 CHECKPOINT_KINDS = ("latest", "best", "last_good")
+SKIP_REASONS = ("nonfinite", "spike")
 
 
 # name (without prefix) -> (type, help, extra label names)
@@ -51,7 +52,11 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Step of the last non-finite value in this timeline, -1 when none.",
         ("signal",),
     ),
-    "skipped_steps": ("counter", "Optimizer updates skipped (non-finite step).", ()),
+    "skipped_steps": (
+        "counter",
+        "Optimizer updates skipped: a non-finite step, or a spike (mitigation.skip_spikes).",
+        ("reason",),
+    ),
     "fp8_amax": ("gauge", "FP8 amax, worst Float8Linear layer.", ("tensor",)),
     "fp8_overflow_ratio": ("gauge", "Fraction saturating in FP8, worst layer.", ("tensor",)),
     "fp8_underflow_ratio": ("gauge", "Fraction flushed to zero in FP8, worst layer.", ("tensor",)),

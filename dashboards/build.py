@@ -355,9 +355,9 @@ def run_dashboard() -> db.Dashboard:
                         "{{run_id}} non-finite {{signal}}",
                     ),
                     (
-                        f"max by (run_id) "
+                        f"max by (run_id, reason) "
                         f"(increase(lossguard_skipped_steps_total{{{SEL}}}[$__rate_interval]))",
-                        "{{run_id}} skipped steps",
+                        "{{run_id}} skipped steps ({{reason}})",
                     ),
                 ],
                 COUNT_BAD,
