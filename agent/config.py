@@ -315,7 +315,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _skip_window_fits(self) -> Config:
         window = self.telemetry.spikes.window
-        if self.mitigation.min_history > window:
+        if self.mitigation.skip_spikes and self.mitigation.min_history > window:
             raise field_error(
                 "mitigation.min_history", f"must be <= telemetry.spikes.window ({window})"
             )

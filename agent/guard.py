@@ -24,6 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import astuple
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -64,6 +65,7 @@ from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
 from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
+from lossguard.agent.telemetry.lr_watch import lr_watch
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
 from lossguard.common.protocol import SOCKET_NAME, ErrorCode, SkipBatches, Target, parse_target
@@ -196,6 +198,8 @@ class Guard:
         (``telemetry.diagnosis``): the ``status`` command's ``episode``."""
         self._lr_before: float | None = None  # at the end of the last log interval
         self._loss_scale_before: float | None = None
+        self._fp8_before: float | None = None  # worst FP8 overflow ratio at the last interval
+        self._lr_watch = lr_watch(optimizer, scheduler, lambda: self.step + 1)
         self._interval_start: tuple[int, int | None] = (0, None)  # (step, data position)
 
         self.path = Path(run_dir)
@@ -579,6 +583,8 @@ class Guard:
         self.interval.reset()
         self._lr_before = record["lr"]
         self._loss_scale_before = record.get("loss_scale")
+        if self.telemetry is not None and self.telemetry.fp8_overflow is not None:
+            self._fp8_before = self.telemetry.fp8_overflow[1]
         self._interval_start = (self.step, position)
         if not math.isfinite(totals.loss_sum) and not self._nonfinite_checkpoint_taken:
             self._nonfinite_checkpoint_taken = True  # kept for post-mortem, marked unhealthy
@@ -608,6 +614,7 @@ class Guard:
         loss scale is one more host read)."""
         grad_norm_max = totals.grad_norm_max / self.world_size
         fp8 = self.telemetry.fp8_overflow if self.telemetry is not None else None
+        departure = self._lr_watch.departure if self._lr_watch is not None else None
         start_step, start_position = self._interval_start
         return IntervalContext(
             step=self.step,
@@ -618,6 +625,9 @@ class Guard:
             fp16_unscaled=self.config.precision.dtype == "fp16" and self.scaler is None,
             grad_norm_max=grad_norm_max if math.isfinite(grad_norm_max) else None,
             fp8_overflow=fp8,
+            fp8_overflow_before=self._fp8_before,
+            scheduled=self._lr_watch is not None,
+            lr_departure=astuple(departure) if departure is not None else None,
             start_step=start_step,
             start_position=start_position,
             end_position=self._data_position(),
@@ -762,6 +772,8 @@ class Guard:
         self._logged_healthy = None
         if self._skipper is not None:
             self._skipper.reset()
+        if self._lr_watch is not None:
+            self._lr_watch.reset()
         self.interval.reset()
         self.episode = None  # a new timeline: what was seen after this step did not happen
         if self.telemetry is not None:  # counters count on from the restored totals
@@ -795,6 +807,8 @@ class Guard:
         if not failed:
             self._log_interval()
         self.signals.uninstall()
+        if self._lr_watch is not None:
+            self._lr_watch.close()
         if self.checkpoints is not None:
             self.checkpoints.wait()
         if self.control is not None:
