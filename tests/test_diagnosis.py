@@ -113,7 +113,7 @@ def test_the_learning_rate_is_judged_against_its_schedule() -> None:
     )
     jumped = context(lr_departure=(100, 1.0, 1e-3))  # x1000 at step 100, back since
     assert diagnose("loss", nonfinite=False, stats=seen, context=jumped)["causes"] == [
-        "learning rate 1e+03x its schedule at step 100 (1 instead of 0.001)"
+        "learning rate 1000x its schedule at step 100 (1 instead of 0.001)"
     ]
     long_ago = context(lr_departure=(2, 1.0, 1e-3))  # over LR_HORIZON steps before
     assert (

@@ -52,7 +52,7 @@ def diagnoses(
 def test_lr_scale_is_named_against_the_schedule(tmp_path: Path, corpus_cache: Path) -> None:
     fault = {"kind": "lr_scale", "factor": 1000.0}
     found = diagnoses(tmp_path, corpus_cache, fault, at=FAULT_STEP + 1)  # the step after its update
-    expected = f"learning rate 1e+03x its schedule at step {FAULT_STEP} ("
+    expected = f"learning rate 1000x its schedule at step {FAULT_STEP} ("
     assert found[0]["causes"][0].startswith(expected)
 
 

@@ -191,9 +191,10 @@ def _lr_cause(diagnosis: Mapping[str, Any], context: IntervalContext) -> str | N
     step, lr, scheduled = context.lr_departure
     if not 0 <= diagnosis["step"] - step <= LR_HORIZON:
         return None
+    ratio = lr / scheduled
+    times = f"{ratio:.0f}" if ratio >= 10 else f"{ratio:.1f}"
     return (
-        f"learning rate {lr / scheduled:.3g}x its schedule at step {step} "
-        f"({lr:.3g} instead of {scheduled:.3g})"
+        f"learning rate {times}x its schedule at step {step} ({lr:.3g} instead of {scheduled:.3g})"
     )
 
 
