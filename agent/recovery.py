@@ -316,6 +316,8 @@ class Recovery:
         if missing:
             raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
         failure: Exception | None = None
+        if self.snapshots is not None:  # a copy still in flight reads what is about to change
+            self.snapshots.before_update()
         try:
             self._apply(payload)
         except Exception as exc:

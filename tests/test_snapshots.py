@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,10 +23,13 @@ def config(**sections: dict[str, Any]) -> Config:
     return parse_config({"telemetry": {"host": "127.0.0.1", "port": 0}, **sections})
 
 
-def make_guard(run_dir: Path, cfg: Config) -> tuple[Guard, nn.Module, torch.optim.Optimizer]:
+def make_guard(
+    run_dir: Path, cfg: Config, device: str = "cpu"
+) -> tuple[Guard, nn.Module, torch.optim.Optimizer]:
     """A seeded model with dropout (so the RNG states matter) and a fused AdamW."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.ReLU(), nn.Linear(32, 1))
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     guard = Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False)
     return guard, model, opt
@@ -36,8 +40,9 @@ def train(
 ) -> list[float]:
     """``steps`` steps on fresh random batches (drawn from the torch RNG); their losses."""
     losses = []
+    device = next(model.parameters()).device
     for _ in range(steps):
-        x = torch.randn(16, 8)
+        x = torch.randn(16, 8, device=device)
         loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
         loss.backward()
         guard.after_backward(loss * float("nan") if guard.step + 1 == nan_at else loss, tokens=16)
@@ -55,11 +60,21 @@ def snapshot_metric(guard: Guard, name: str) -> float | None:
     return guard.telemetry.metrics.registry.get_sample_value(f"lossguard_{name}", labels)
 
 
-def test_restore_from_memory_replays_like_one_from_disk(tmp_path: Path) -> None:
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    ),  # pinned buffers and a side stream
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_restore_from_memory_replays_like_one_from_disk(tmp_path: Path, device: str) -> None:
     cfg = config(
         train={"log_every": 5}, checkpoint={"every": 10}, snapshot={"every": 10, "keep": 2}
     )
-    guard, model, opt = make_guard(tmp_path, cfg)
+    guard, model, opt = make_guard(tmp_path, cfg, device)
     with guard:
         first = train(guard, model, opt, 25)
         from_memory = guard.rollback(10, skip_batches=0, lr_scale=1.0)
