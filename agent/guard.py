@@ -272,7 +272,9 @@ class Guard:
         if target is not None:
             self._resume(target, skip_batches, str(source))
         self._before_next_step()
-        self._take_snapshot()  # the state training starts from: something to roll back to
+        # the state training starts from, at the first poll: after an evaluation there, so
+        # that a rollback to it need not evaluate again
+        self._snapshot_due = True
 
     def _spike_skipper(self) -> SpikeSkipper | None:
         """Rung 1 (``mitigation.skip_spikes``), where this loop can skip on the device."""
@@ -437,7 +439,6 @@ class Guard:
         saved = self.recovery.unclaimed.pop(name, None)
         if saved is not None:
             obj.load_state_dict(saved)
-        self._take_snapshot()  # this boundary's snapshot holds it too
 
     def after_backward(
         self, loss: torch.Tensor, *, tokens: int, replay: Replay | None = None

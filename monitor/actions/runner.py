@@ -151,7 +151,7 @@ class ActionRunner:
         done = self.store.get(record.id)
         assert done is not None
         self.observe(record.kind, state)
-        level = logging.WARNING if state == "applied" else logging.ERROR
+        level = logging.WARNING if state in ("applied", "nothing_to_restore") else logging.ERROR
         log.log(
             level,
             "action %s for run %s (%s): %s",
