@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from lossguard.common import __version__
 
 if TYPE_CHECKING:
-    from lossguard.agent.data import SkippableDataLoader
     from lossguard.agent.guard import Guard
+    from lossguard.agent.loader import SkippableDataLoader
 
 __all__ = ["Guard", "SkippableDataLoader", "__version__"]
 
@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return Guard
     if name == "SkippableDataLoader":
-        from lossguard.agent.data import SkippableDataLoader
+        from lossguard.agent.loader import SkippableDataLoader
 
         return SkippableDataLoader
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

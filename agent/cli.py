@@ -1,4 +1,4 @@
-"""``lossguard-agent``: run a training job or benchmark one."""
+"""``lossguard-agent``: run a training job or benchmark one, or check a config."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from lossguard.common.cli import (
     add_override_option,
 )
 from lossguard.common.config import ConfigError
-from lossguard.common.protocol import Target, parse_target
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.common.control.protocol import Target, parse_target
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start run.id over although it has checkpoints (the old run is moved aside)",
     )
+
+    check = sub.add_parser("check", help="validate a config and print it resolved (YAML)")
+    add_config_args(check)
 
     bench = sub.add_parser("bench", help="measure tokens/s and step time")
     add_config_args(bench)
@@ -110,8 +113,8 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 
 
 def _run(args: argparse.Namespace, cfg: Config) -> int:
-    from lossguard.agent.guard import CheckpointsExist
     from lossguard.agent.recovery import RestoreError
+    from lossguard.agent.startup import CheckpointsExist
     from lossguard.agent.train.trainer import Trainer
 
     resume = _resume_target(args)
@@ -145,6 +148,13 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
             result.stop_reason,
             result.run_dir,
         )
+    return EXIT_OK
+
+
+def _check(args: argparse.Namespace, cfg: Config) -> int:
+    import yaml
+
+    print(yaml.safe_dump(cfg.resolved(), sort_keys=False), end="")
     return EXIT_OK
 
 
@@ -185,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
-        handler = _run if args.command == "run" else _bench
+        handler = {"run": _run, "check": _check, "bench": _bench}[args.command]
         return handler(args, cfg)
     except ConfigError as exc:
         print(f"lossguard-agent: error: {exc}", file=sys.stderr)

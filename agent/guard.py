@@ -23,89 +23,50 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import astuple
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from lossguard.agent.checkpoint.cadence import periodic_save_due, snapshot_store
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner
-from lossguard.agent.control.server import (
-    ControlServer,
-    answered_before,
-    serve_control,
-    socket_is_live,
-)
-from lossguard.agent.distributed import broadcast_objects, control_group, rank_and_world
+from lossguard.agent.distributed import control_group, rank_and_world
 from lossguard.agent.mitigation import SpikeSkipper
 from lossguard.agent.recovery import (
-    DETECTOR_STATE,
     PROGRESS_STATE,
     OnSaved,
     Recovery,
     Stateful,
     TrainProgress,
 )
-from lossguard.agent.rundir import RunDirectory, package_versions, set_aside
-from lossguard.agent.stop_signals import StopSignals
-from lossguard.agent.telemetry.collector import (
-    SignalStats,
-    Telemetry,
-    signal_stats,
-    skips_on_device,
+from lossguard.agent.startup import (
+    StartPlan,
+    detector_states,
+    on_main,
+    open_run,
+    start_fields,
+    start_over_check,
+    start_telemetry,
 )
-from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
+from lossguard.agent.stop_signals import StopSignals
+from lossguard.agent.telemetry.collector import skips_on_device
 from lossguard.agent.telemetry.fp8_fidelity import Replay
-from lossguard.agent.telemetry.hardware import device_description
-from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
+from lossguard.agent.telemetry.interval import Interval
+from lossguard.agent.telemetry.log_interval import IntervalLog
 from lossguard.agent.telemetry.lr_watch import lr_watch
-from lossguard.agent.telemetry.progress import make_progress
-from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
-from lossguard.common.protocol import SOCKET_NAME, ErrorCode, SkipBatches, Target, parse_target
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.agent.telemetry.sinks import Sink
+from lossguard.common.control.protocol import ErrorCode, SkipBatches, Target
+from lossguard.common.control.server import ControlServer
+from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.rundir.directory import RunDirectory
+from lossguard.common.rundir.events import CLOSE, COMMAND, OVERWRITTEN, RESUMED, SIGNAL, START
 
 log = logging.getLogger("lossguard.agent")
-T = TypeVar("T")
-
-RESUME_ARGUMENT = "argument"
-"""A resume's ``source`` when it came from the caller (``resume=``, ``--resume``)."""
-
-
-def resume_target(resume: Target | str | None) -> tuple[Target | None, str | None]:
-    """The checkpoint to resume from and where that came from: ``$LOSSGUARD_RESUME`` when set
-    and not empty (a supervisor's restart, which knows the good checkpoint), else ``resume``
-    (``RESUME_ARGUMENT``); (None, None) to start afresh. ValueError names a bad one."""
-    from_env = os.environ.get(RESUME_ENV, "")
-    value, source = (from_env, RESUME_ENV) if from_env else (resume, RESUME_ARGUMENT)
-    if value is None:
-        return None, None
-    try:
-        return parse_target(value), source
-    except ValueError as exc:
-        name = RESUME_ENV if source == RESUME_ENV else "resume"
-        raise ValueError(f"{name}: {exc}") from None
-
-
-class CheckpointsExist(FileExistsError):
-    """A run directory that already has checkpoints, and neither a resume nor an overwrite."""
-
-    def __init__(self, run_dir: Path, newest: str) -> None:
-        super().__init__(
-            f"{run_dir} already has checkpoints (newest: {newest}): pass resume='latest' "
-            "(or a checkpoint name) to continue the run, or overwrite=True to start over"
-        )
-        self.run_dir = run_dir
-        self.newest = newest
-
-    def __reduce__(self) -> tuple[Any, ...]:  # broadcast to every rank under torchrun
-        return type(self), (self.run_dir, self.newest)
 
 
 class Guard:
@@ -155,15 +116,7 @@ class Guard:
             raise ValueError(f"max_steps: must be >= 1 or None, not {max_steps}")
         if grad_clip is not None and not (math.isfinite(grad_clip) and grad_clip > 0):
             raise ValueError(f"grad_clip: must be a number > 0 or None, not {grad_clip}")
-        target, source = resume_target(resume)
-        if source == RESUME_ENV:
-            skip_batches, overwrite = 0, False  # the supervisor's restart: its checkpoint as is
-        if target is not None and overwrite:
-            raise ValueError("resume and overwrite=True exclude each other")
-        if skip_batches < 0 or (skip_batches and target is None):
-            raise ValueError(
-                f"skip_batches: must be >= 0, and only with resume, not {skip_batches}"
-            )
+        start = StartPlan.of(resume, skip_batches, overwrite)
         self.config = config if config is not None else Config()
         self.max_steps = max_steps
         self.log_every = self.config.train.log_every
@@ -188,19 +141,9 @@ class Guard:
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
         self._save_due = False
-        self._logged_healthy: bool | None = True  # as of the last log interval (None: unknown)
         self._nonfinite_checkpoint_taken = False
         self.signals = StopSignals()
         self.interval = Interval(self.device)
-        self._detections = DetectionAudit()
-        self.episode: dict[str, Any] | None = None
-        """The diagnosis of the latest spike episode or non-finite value since the last restore
-        (``telemetry.diagnosis``): the ``status`` command's ``episode``."""
-        self._lr_before: float | None = None  # at the end of the last log interval
-        self._loss_scale_before: float | None = None
-        self._fp8_before: float | None = None  # worst FP8 overflow ratio at the last interval
-        self._lr_watch = lr_watch(optimizer, scheduler, lambda: self.step + 1)
-        self._interval_start: tuple[int, int | None] = (0, None)  # (step, data position)
 
         self.path = Path(run_dir)
         self.run_id = self.config.run.id or self.path.name
@@ -209,30 +152,51 @@ class Guard:
         self.control: ControlServer | None = None
         self.sinks: list[Sink] = []
         self._group = control_group()
-        moved = self._on_main(
-            lambda: self._start_over_check(resuming=target is not None, overwrite=overwrite)
+        moved = on_main(
+            lambda: start_over_check(self.path, start),
+            self.rank,
+            self._group,
         )
-        self.telemetry: Telemetry | None = None
         self._can_skip = skips_on_device(optimizer, scaler)
-        if self.config.telemetry.enabled:
-            self.telemetry = Telemetry(
-                self.config,
-                model=model,
-                device=self.device,
-                rank=self.rank,
-                world_size=self.world_size,
-                run_id=self.run_id,
-                max_steps=max_steps,
-                flops_per_token=flops_per_token or 6.0 * sum(p.numel() for p in self._params),
-                group=self._group,
-                loss_scaling=scaler is not None,
-            )
-            for signal_name, detector in self.telemetry.detectors.items():
-                self.state[f"{DETECTOR_STATE}{signal_name}"] = detector
+        self.telemetry = start_telemetry(
+            self.config,
+            model,
+            rank=self.rank,
+            world_size=self.world_size,
+            run_id=self.run_id,
+            max_steps=max_steps,
+            flops_per_token=flops_per_token,
+            group=self._group,
+            loss_scaling=scaler is not None,
+        )
+        if self.telemetry is not None:
+            self.state.update(detector_states(self.telemetry))
+        self.log = IntervalLog(
+            self.interval,
+            telemetry=self.telemetry,
+            world_size=self.world_size,
+            optimizer=optimizer,
+            scaler=scaler,
+            state=self.state,
+            fp16_unscaled=self.config.precision.dtype == "fp16" and scaler is None,
+            event=self.event,
+            lr_watch=lr_watch(optimizer, scheduler, lambda: self.step + 1),
+        )
         self._skipper = self._spike_skipper()
-        self._interval_start = (self.step, self._data_position())
+        self.log.start = (self.step, self.log.data_position())
         if self.rank == 0:
-            self._open_run_directory(progress)
+            self.run_dir = RunDirectory(self.path)
+            opened = open_run(
+                self.run_dir,
+                self.config,
+                run_id=self.run_id,
+                device=self.device,
+                world_size=self.world_size,
+                telemetry=self.telemetry,
+                on_reject=self._record_rejected,
+                progress=(max_steps, self.step) if progress else None,
+            )
+            self.control, self.checkpoints, self.sinks = opened
         self._snapshot_due = False
         self.recovery = Recovery(
             self.state,
@@ -244,7 +208,7 @@ class Guard:
             world_size=self.world_size,
             async_save=self.config.checkpoint.async_save,
             telemetry=self.telemetry,
-            healthy_now=self._healthy_now,
+            healthy_now=lambda: self.log.healthy(self.last_train_loss),
             on_restored=self._restored,
             event=self.event,
         )
@@ -259,18 +223,12 @@ class Guard:
             world_size=self.world_size,
         )
         if self.rank == 0:
-            self.event(
-                "start",
-                pid=os.getpid(),
-                world_size=self.world_size,
-                control_socket=str(self.control.socket_path) if self.control else None,
-                control_tcp=self.control.tcp_address if self.control else None,
-            )
+            self.event(START, **start_fields(self.control, self.world_size))
         if moved is not None:
-            self.event("overwritten", moved_to=str(moved[0]), checkpoints=moved[1])
+            self.event(OVERWRITTEN, moved_to=str(moved[0]), checkpoints=moved[1])
         self.signals.install()
-        if target is not None:
-            self._resume(target, skip_batches, str(source))
+        if start.target is not None:
+            self._resume(start)
         self._before_next_step()
         # the state training starts from, at the first poll: after an evaluation there, so
         # that a rollback to it need not evaluate again
@@ -289,104 +247,18 @@ class Guard:
         distributed = self.world_size > 1
         return SpikeSkipper(self.config.mitigation, self.device, distributed=distributed)
 
-    def _on_main(self, work: Callable[[], T]) -> T:
-        """Run ``work`` on rank 0; every rank returns its result or raises its exception."""
-        outcome: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                outcome = [(work(), None)]
-            except Exception as exc:
-                outcome = [(None, exc)]
-        result, error = broadcast_objects(outcome, self._group)[0]
-        if error is not None:
-            raise error
-        return result
-
-    def _start_over_check(
-        self, *, resuming: bool, overwrite: bool
-    ) -> tuple[Path, list[str]] | None:
-        """Before anything is written: refuse to start afresh over checkpoints, or move the
-        previous run aside (``overwrite``); returns where to and which checkpoints."""
-        existing = list_checkpoints(self.path / CHECKPOINT_DIR)
-        if resuming or not existing:
-            return None
-        if not overwrite:
-            raise CheckpointsExist(self.path, existing[-1].name)
-        if socket_is_live(self.path / SOCKET_NAME):
-            raise FileExistsError(
-                f"{self.path} is still running (its control socket answers): not overwriting it"
-            )
-        aside = set_aside(self.path)
-        assert aside is not None  # there were checkpoints to move
-        names = [meta.name for meta in existing]
-        log.warning(
-            "overwrite: moved the previous run in %s (%d checkpoints, newest %s) to %s",
-            self.path,
-            len(names),
-            names[-1],
-            aside,
-        )
-        return aside, names
-
-    def _resume(self, target: Target, skip_batches: int, source: str) -> None:
-        """Restore ``target`` before the first step; audited and logged with its source. A
-        failure closes the Guard and raises."""
+    def _resume(self, start: StartPlan) -> None:
+        """Restore ``start.target`` before the first step; audited and logged with its source.
+        A failure closes the Guard and raises."""
+        assert start.target is not None
         try:
-            restored = self.restore(target, skip_batches=skip_batches)
+            restored = self.restore(start.target, skip_batches=start.skip_batches)
         except BaseException:
             self.close(failed=True)
             raise
-        self.event(
-            "resumed", target=target, source=source, skipped_batches=skip_batches, **restored
-        )
+        self.event(RESUMED, **start.audit(), **restored)
         if self.rank == 0:
-            log.info(
-                "resumed from %s at step %d (target %s from %s)",
-                restored["checkpoint"],
-                restored["step"],
-                target,
-                "$" + RESUME_ENV if source == RESUME_ENV else "the resume argument",
-            )
-
-    def _open_run_directory(self, progress: bool) -> None:
-        """Rank 0: the run directory, the control server, the sinks and ``agent.json``."""
-        continuing = (self.path / "config.yaml").exists()
-        self.run_dir = RunDirectory(self.path)
-        # these fail before any file is written
-        self.control = serve_control(
-            self.config.control,
-            self.path,
-            self._record_rejected,
-            answered=answered_before(self.run_dir.read_events()),
-        )
-        self.sinks.append(MetricsLogSink(self.run_dir.metrics))
-        if self.config.wandb.enabled:
-            from lossguard.agent.telemetry.wandb_logger import WandbLogger
-
-            wandb = WandbLogger(
-                self.config.wandb,
-                run_id=self.run_id,
-                run_dir=self.path,
-                config=self.config.resolved(),
-                resume=continuing,
-            )
-            self.sinks.append(WandbSink(wandb))
-        self.run_dir.write_config(self.config.resolved())
-        self.run_dir.write_env(device_description(self.device), self.world_size)
-        self.checkpoints = CheckpointStore(
-            self.path / CHECKPOINT_DIR,
-            keep_last=self.config.checkpoint.keep_last,
-            config_hash=self.config.digest(),
-            versions=package_versions(),
-        )
-        self.run_dir.write_discovery(
-            run_id=self.run_id,
-            socket_path=self.control.socket_path if self.control else None,
-            metrics_urls=self.telemetry.urls if self.telemetry else [],
-            world_size=self.world_size,
-        )
-        if progress:
-            self.sinks.append(DisplaySink(make_progress(self.max_steps, self.step)))
+            start.log_resumed(restored)
 
     # ----------------------------------------------------------------- where training stands
 
@@ -514,7 +386,7 @@ class Guard:
                     wait=self.paused, signalled=self.signals.pending
                 )
             if signalled and not self.stop_requested:
-                self.event("signal", signal=self.signals.name)
+                self.event(SIGNAL, signal=self.signals.name)
                 self.commands.stop(reason="signal")
             for request, pending in commands:
                 self.commands.apply(request, pending)
@@ -546,102 +418,18 @@ class Guard:
     # ----------------------------------------------------------------- metrics
 
     def _log_interval(self) -> None:
-        if self.interval.steps == 0:
+        record = self.log.end(self.step, self.progress.tokens)
+        if record is None:
             return
-        stats = self.telemetry.stats() if self.telemetry is not None else None
-        totals = self.interval.read(stats)  # the one sync
-        self.progress.tokens += int(totals.tokens)
-        self.last_train_loss = totals.loss_sum / (totals.steps * self.world_size)
-        elapsed = totals.elapsed
-        record: dict[str, Any] = {
-            "kind": "train",
-            "step": self.step,
-            "time": time.time(),
-            "train_loss": self.last_train_loss,
-            "grad_norm": totals.grad_norm_last / self.world_size,
-            "grad_norm_max": totals.grad_norm_max / self.world_size,
-            "lr": self.learning_rate(),
-            "tokens": self.tokens_total,
-            "tokens_per_second": totals.tokens / elapsed if elapsed > 0 else 0.0,
-            "step_time_seconds": elapsed / totals.steps,
-        }
-        position = self._data_position()
-        if position is not None:
-            record["data_position"] = position
-        if self.scaler is not None:
-            record["loss_scale"] = float(self.scaler.get_scale())
-        record["skipped_steps"] = int(totals.skipped / self.world_size)
-        record["skipped_spikes"] = int(totals.skipped_spikes / self.world_size)
-        by_signal: SignalStats | None = None
-        if self.telemetry is not None:
-            by_signal = self.telemetry.publish(
-                record, totals.stats, float(totals.local_tokens), elapsed
-            )
-            self._audit(by_signal, totals)
-        active = by_signal is not None and any(s["active"] for s in by_signal.values())
-        self._logged_healthy = math.isfinite(self.last_train_loss) and not active
+        self.progress.tokens = record["tokens"]
+        self.last_train_loss = record["train_loss"]
         self._emit(record)
-        self.interval.reset()
-        self._lr_before = record["lr"]
-        self._loss_scale_before = record.get("loss_scale")
-        if self.telemetry is not None and self.telemetry.fp8_overflow is not None:
-            self._fp8_before = self.telemetry.fp8_overflow[1]
-        self._interval_start = (self.step, position)
-        if not math.isfinite(totals.loss_sum) and not self._nonfinite_checkpoint_taken:
+        if not math.isfinite(record["train_loss"]) and not self._nonfinite_checkpoint_taken:
             self._nonfinite_checkpoint_taken = True  # kept for post-mortem, marked unhealthy
             self.save("nonfinite", healthy=False)
 
-    def _audit(self, stats: SignalStats, totals: IntervalTotals) -> None:
-        """Audit the spike episodes and non-finite values new since the last read, each with
-        its diagnosis; the most telling one of them becomes ``episode``."""
-        found = self._detections.new(stats)
-        if not found or self.telemetry is None:
-            return
-        context = self._context(totals)
-        candidates = []
-        for event, fields in found:
-            signal_name, nonfinite = fields["signal"], event == "nonfinite"
-            diagnosis = diagnose(signal_name, nonfinite=nonfinite, stats=stats, context=context)
-            self.event(event, **fields, diagnosis=diagnosis)
-            if nonfinite and not self.telemetry.detectors[signal_name].nonfinite_opens_episode:
-                continue  # routine (fp16 GradScaler overflow): no episode
-            rank = (diagnosis["step"], nonfinite, signal_name == "loss")
-            candidates.append((rank, diagnosis))
-        if candidates:
-            self.episode = max(candidates, key=lambda item: item[0])[1]
-
-    def _context(self, totals: IntervalTotals) -> IntervalContext:
-        """What a diagnosis needs beside the detector statistics (at detections only: the
-        loss scale is one more host read)."""
-        grad_norm_max = totals.grad_norm_max / self.world_size
-        fp8 = self.telemetry.fp8_overflow if self.telemetry is not None else None
-        departure = self._lr_watch.departure if self._lr_watch is not None else None
-        start_step, start_position = self._interval_start
-        return IntervalContext(
-            step=self.step,
-            lr=self.learning_rate(),
-            lr_before=self._lr_before,
-            loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
-            loss_scale_before=self._loss_scale_before,
-            fp16_unscaled=self.config.precision.dtype == "fp16" and self.scaler is None,
-            grad_norm_max=grad_norm_max if math.isfinite(grad_norm_max) else None,
-            fp8_overflow=fp8,
-            fp8_overflow_before=self._fp8_before,
-            scheduled=self._lr_watch is not None,
-            lr_departure=astuple(departure) if departure is not None else None,
-            start_step=start_step,
-            start_position=start_position,
-            end_position=self._data_position(),
-        )
-
-    def _data_position(self) -> int | None:
-        position = getattr(self.state.get("data"), "position", None)
-        return None if position is None else int(position)
-
     def learning_rate(self) -> float | None:
-        if self.optimizer is None:
-            return None
-        return float(self.optimizer.param_groups[0]["lr"])
+        return self.log.learning_rate()
 
     def _emit(self, record: dict[str, Any], *, display: bool = True) -> None:
         for sink in self.sinks:
@@ -671,19 +459,8 @@ class Guard:
             "world_size": self.world_size,
             "pid": os.getpid(),
             "uptime_seconds": time.time() - self.started_at,
-            "episode": self.episode,
+            "episode": self.log.episode,
         }
-
-    def _healthy_now(self) -> bool:
-        """This rank: false inside a spike episode, or when the current interval or the last
-        logged one saw a non-finite loss (DESIGN.md ``last_good``). Right after a log interval
-        (no step since) that interval's reading answers, with no host read."""
-        if self.interval.steps == 0 and self._logged_healthy is not None:
-            return self._logged_healthy
-        interval_finite = self.interval.finite()
-        last = self.last_train_loss
-        in_episode = self.telemetry is not None and self.telemetry.episode_active()
-        return interval_finite and (last is None or math.isfinite(last)) and not in_episode
 
     def save(
         self,
@@ -715,7 +492,7 @@ class Guard:
         loaded raises RestoreError and changes nothing; one that fails halfway through being
         applied stops training (its state would be a mix)."""
         meta = self.recovery.restore(target, skip_batches=skip_batches)
-        self._interval_restarts()
+        self.log.restart(self.step)
         return {"checkpoint": meta.name, "step": self.step}
 
     def rollback(
@@ -724,45 +501,16 @@ class Guard:
         """Restore ``target``, skip batches (``"abandoned"``: those the abandoned steps trained
         on) and scale the learning rate (``rollback`` command). The answer's ``abandoned`` is
         the diagnosis of the latest spike or non-finite value of the abandoned steps, or None."""
-        self._catch_up()
+        self.log.catch_up(self.step)
         result = self.recovery.rollback(
             target,
             skip_batches=skip_batches,
             lr_scale=lr_scale,
-            episode=self.episode,
-            trouble_since=self._episode_start(),
+            episode=self.log.episode,
+            trouble_since=self.log.episode_start(self.step),
         )
-        self._interval_restarts()
+        self.log.restart(self.step)
         return result
-
-    def _episode_start(self) -> int | None:
-        """The first step of the earliest spike episode still open on this rank (None: none
-        is). One host read, at a rollback only."""
-        if self.telemetry is None:
-            return None
-        starts = [
-            self.step - int(s["duration"]) + 1
-            for s in signal_stats(self.telemetry.stats().tolist()).values()
-            if s["active"]
-        ]
-        return min(starts, default=None)
-
-    def _catch_up(self) -> None:
-        """Before a rollback: audit what the detectors saw since the last log interval (one
-        collective read), so the steps about to be abandoned have their diagnosis."""
-        if self.telemetry is None or self.interval.steps == 0:
-            return
-        totals = self.interval.read(self.telemetry.stats())
-        self._audit(signal_stats(totals.stats), totals)
-
-    def _interval_restarts(self) -> None:
-        """After a restore (and its skipped batches, and a new lr scale): diagnoses compare
-        with the state training goes on from."""
-        self._lr_before = self.learning_rate()
-        self._loss_scale_before = (
-            float(self.scaler.get_scale()) if self.scaler is not None else None
-        )
-        self._interval_start = (self.step, self._data_position())
 
     def _restored(self, meta: CheckpointMeta) -> None:
         """After a restore: this boundary's bookkeeping is the checkpoint's."""
@@ -770,15 +518,9 @@ class Guard:
         self.last_val = (meta.step, meta.val_loss) if meta.val_loss is not None else None
         self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
         self._save_due = self._snapshot_due = False
-        self._logged_healthy = None
         if self._skipper is not None:
             self._skipper.reset()
-        if self._lr_watch is not None:
-            self._lr_watch.reset()
-        self.interval.reset()
-        self.episode = None  # a new timeline: what was seen after this step did not happen
-        if self.telemetry is not None:  # counters count on from the restored totals
-            self._detections.resync(self.telemetry.resync_totals(self.step))
+        self.log.restored(self.step)
 
     def set_paused(self, paused: bool) -> None:
         """Pause or resume at this boundary (every rank, so every rank's gauge says so)."""
@@ -799,7 +541,7 @@ class Guard:
     def _record_rejected(self, request_id: str | None, code: ErrorCode, message: str) -> None:
         if request_id is not None:  # a command we could identify; garbage lines are not events
             self.event(
-                "command", id=request_id, ok=False, error={"code": code.value, "message": message}
+                COMMAND, id=request_id, ok=False, error={"code": code.value, "message": message}
             )
 
     def close(self, *, failed: bool = False) -> None:
@@ -808,8 +550,7 @@ class Guard:
         if not failed:
             self._log_interval()
         self.signals.uninstall()
-        if self._lr_watch is not None:
-            self._lr_watch.close()
+        self.log.close()
         if self.checkpoints is not None:
             self.checkpoints.wait()
         if self.control is not None:
@@ -820,7 +561,7 @@ class Guard:
             sink.close()
         self.sinks = []
         if self.run_dir is not None:
-            self.event("close", stop_requested=self.stop_requested)
+            self.event(CLOSE, stop_requested=self.stop_requested)
             self.run_dir.mark_finished(
                 "failed" if failed else "stopped" if self.stop_requested else "completed"
             )

@@ -17,15 +17,22 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lossguard.agent.checkpoint.meta import CheckpointMeta
 from lossguard.agent.checkpoint.snapshot import snapshot
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.checkpoint.store import CheckpointStore
-from lossguard.agent.checkpoint.targets import is_in_memory, is_superseded, named_states
 from lossguard.agent.distributed import all_gather_objects, all_reduce_max, broadcast_objects
 from lossguard.agent.rng import capture_rng, restore_rng
 from lossguard.agent.telemetry.collector import Telemetry
-from lossguard.common.protocol import ABANDONED, SkipBatches, Target
+from lossguard.common.control.protocol import ABANDONED, SkipBatches, Target
+from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.rundir.events import (
+    CHECKPOINT,
+    CHECKPOINT_FAILED,
+    ROLLBACK,
+    SNAPSHOTS_OFF,
+    SUPERSEDED,
+)
+from lossguard.common.rundir.targets import is_in_memory, is_superseded, named_states
 
 log = logging.getLogger("lossguard.agent")
 
@@ -221,10 +228,10 @@ class Recovery:
                 self.telemetry.checkpoint_finished(None if failed else seconds, self.named())
             if isinstance(result, BaseException):
                 log.error("checkpoint at step %d failed: %s", step, result)
-                self.event("checkpoint_failed", reason=reason, error=str(result))
+                self.event(CHECKPOINT_FAILED, reason=reason, error=str(result))
             else:
                 self.event(
-                    "checkpoint",
+                    CHECKPOINT,
                     name=result.name,
                     reason=reason,
                     seconds=seconds,
@@ -265,7 +272,7 @@ class Recovery:
             val_loss=val_loss,
         )
         if meta is None:
-            self.event("snapshots_off", reason=snapshots.off_reason)
+            self.event(SNAPSHOTS_OFF, reason=snapshots.off_reason)
         if self.telemetry is not None:
             self.telemetry.snapshots(snapshots.enabled, snapshots.held_bytes)
             if self.store is not None:
@@ -364,7 +371,7 @@ class Recovery:
             return
         left = self.store.supersede_after(meta)
         if left:
-            self.event("superseded", checkpoints=left, restored=meta.name)
+            self.event(SUPERSEDED, checkpoints=left, restored=meta.name)
         if self.telemetry is not None:
             self.telemetry.states_changed(self.named())
 
@@ -406,7 +413,7 @@ class Recovery:
             assert isinstance(model, nn.Module)
             mine = {"rank": self.rank, "step": self.progress.step, "weights": weights_digest(model)}
             result["ranks"] = all_gather_objects(mine, self.group)
-        self.event("rollback", **result)
+        self.event(ROLLBACK, **result)
         log.warning("rolled back from step %d to step %d (%s)", from_step, meta.step, meta.name)
         return result
 

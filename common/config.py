@@ -1,11 +1,13 @@
 """Config plumbing shared by the agent and the monitor (torch-free): pydantic sections that
-reject unknown keys, one-line errors that name the key path, ``--set`` overrides, YAML files.
+reject unknown keys, one-line errors that name the key path, ``--set`` overrides, YAML files,
+durations (Prometheus syntax: ``30s``, ``1h30m``).
 
 Every error names the full key path and the reason on one line, e.g. ``train.lr: must be > 0``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -13,6 +15,12 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
+
+_DURATION = re.compile(
+    r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?"
+)
+_DAY_MS = 24 * 3600 * 1000
+_UNIT_MS = (365 * _DAY_MS, 7 * _DAY_MS, _DAY_MS, 3600 * 1000, 60 * 1000, 1000, 1)
 
 
 class ConfigError(ValueError):
@@ -151,3 +159,21 @@ def validate(
         return model.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+
+
+def parse_duration(text: str) -> int:
+    """Milliseconds in a duration like ``5m`` or ``1h30m`` (units y w d h m s ms, in order)."""
+    if text == "0":
+        return 0
+    match = _DURATION.fullmatch(text)
+    if not text or match is None:
+        raise ValueError(f"not a valid duration string: {text!r}")
+    return sum(int(n) * unit for n, unit in zip(match.groups(), _UNIT_MS, strict=True) if n)
+
+
+def seconds(text: str) -> float:
+    """A Prometheus duration in seconds (raises ValueError with the reason)."""
+    try:
+        return parse_duration(text) / 1000
+    except ValueError:
+        raise ValueError(f"not a valid duration: {text!r} (e.g. 1s, 30s, 5m, 1h30m)") from None

@@ -23,6 +23,7 @@ COPY pyproject.toml README.md ./
 COPY common ./common
 COPY agent ./agent
 COPY monitor ./monitor
+COPY supervisor ./supervisor
 RUN pip install ".[agent]" && rm -rf /src
 
 COPY --chown=lossguard:lossguard configs /etc/lossguard/configs

@@ -16,6 +16,7 @@ COPY pyproject.toml README.md ./
 COPY common ./common
 COPY agent ./agent
 COPY monitor ./monitor
+COPY supervisor ./supervisor
 # the base distribution only: no [agent] extra, so no torch
 RUN pip install . && rm -rf /src
 

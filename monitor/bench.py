@@ -29,8 +29,9 @@ from prometheus_client import generate_latest
 from rich.console import Console
 from rich.table import Table
 
-from lossguard.agent.telemetry.registry import AgentMetrics
 from lossguard.common.catalogue import CHECKPOINT_KINDS, FP8_TENSORS, MEMORY_KINDS
+from lossguard.common.config import seconds
+from lossguard.common.registry import AgentMetrics
 from lossguard.monitor.daemon import RETENTION_MARGIN_S
 from lossguard.monitor.promql import Value
 from lossguard.monitor.rules.rulefile import (
@@ -42,7 +43,6 @@ from lossguard.monitor.rules.rulefile import (
 )
 from lossguard.monitor.rules.ruleset import RuleSet, Schedule
 from lossguard.monitor.sources.scrape import ScrapeSource
-from lossguard.monitor.validation import seconds
 
 HOST = "127.0.0.1"
 LAYERS = ("blocks.0.attn.c_attn", "blocks.5.mlp.c_fc", "blocks.11.mlp.c_proj", "lm_head")

@@ -166,8 +166,8 @@ def _state(config_path: str, create: bool = False) -> StateStore:
 
 def silence(args: argparse.Namespace) -> int:
     """``silence add|list|expire``: amtool's output (an id; a table; nothing)."""
+    from lossguard.common.config import seconds
     from lossguard.monitor.notify.silences import SilenceError, SilenceStore
-    from lossguard.monitor.validation import seconds
 
     now = time.time()
     store = SilenceStore(_state(args.config, create=args.silence_command == "add"))

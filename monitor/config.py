@@ -12,10 +12,17 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from lossguard.common.config import ConfigError, Section, field_error, read_config_file, validate
+from lossguard.common.config import (
+    ConfigError,
+    Section,
+    field_error,
+    read_config_file,
+    seconds,
+    validate,
+)
 from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.notify.config import NotificationsConfig
-from lossguard.monitor.validation import http_url, seconds
+from lossguard.monitor.validation import http_url
 
 DEFAULT_PORT = 9409
 

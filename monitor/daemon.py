@@ -12,12 +12,13 @@ import time
 from types import FrameType
 from typing import Any
 
+from lossguard.common.config import seconds
 from lossguard.monitor.actions.engine import Actions
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionRecord
-from lossguard.monitor.api import MonitorServer
 from lossguard.monitor.config import MonitorConfig, webhook_token
-from lossguard.monitor.http_api import api_routes
+from lossguard.monitor.http.read_api import api_routes
+from lossguard.monitor.http.server import MonitorServer
 from lossguard.monitor.metrics import MonitorMetrics
 from lossguard.monitor.notify.config import read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
@@ -43,7 +44,6 @@ from lossguard.monitor.sources.liveness import DeadRun
 from lossguard.monitor.sources.prometheus import PrometheusSource
 from lossguard.monitor.sources.scrape import ScrapeSource
 from lossguard.monitor.state import StateStore
-from lossguard.monitor.validation import seconds
 
 log = logging.getLogger("lossguard.monitor")
 RETENTION_MARGIN_S = 60.0

@@ -1,6 +1,7 @@
 """The monitor's own metrics, the ``lossguard_monitor_*`` series, declared once in
 :data:`CATALOGUE`, and what it knows about runs from their files (:data:`RUN_CATALOGUE`),
-registered by :class:`MonitorMetrics`. ``lossguard.monitor.api`` serves them on ``/metrics``."""
+registered by :class:`MonitorMetrics`. ``lossguard.monitor.http.server`` serves them on
+``/metrics``."""
 
 from __future__ import annotations
 

@@ -13,15 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo
 from lossguard.common.catalogue import STEP, exposed_name
-from lossguard.common.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.names import AGENT_FILE
+from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
 from lossguard.monitor.notify.model import RUN_LABEL
 from lossguard.monitor.promql import PromQLError
 from lossguard.monitor.promql.model import label_value
 from lossguard.monitor.sources import Source, SourceError, TargetStatus
 from lossguard.monitor.state import StateStore
-from lossguard.monitor.status import active_alerts
+from lossguard.monitor.views import active_alerts
 
 log = logging.getLogger("lossguard.monitor.api")
 

@@ -36,11 +36,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, STATE_FILE, list_checkpoints
-from lossguard.common.control_client import ControlClient
-from lossguard.common.metrics_log import last_logged
-from lossguard.common.protocol import SOCKET_NAME
-from lossguard.common.supervisor_file import SupervisorInfo, pid_alive
+from lossguard.common.control.client import ControlClient
+from lossguard.common.rundir.checkpoints import STATE_FILE, list_checkpoints
+from lossguard.common.rundir.metrics_log import last_logged
+from lossguard.common.rundir.names import CHECKPOINT_DIR, SOCKET_NAME
+from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
 from tests.bench_recovery import fired_at, records, shipped_monitor
 from tests.conftest import (
     events,

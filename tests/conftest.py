@@ -65,7 +65,7 @@ def tiny_config(tmp_path: Path, corpus_cache: Path):
 
 def supervisor_argv(run_dir: Path, *options: str, command: list[str]) -> list[str]:
     """``lossguard-supervise run --run-dir RUN_DIR OPTIONS -- COMMAND``."""
-    cli = [sys.executable, "-m", "lossguard.monitor.supervisor.cli", "run"]
+    cli = [sys.executable, "-m", "lossguard.supervisor.cli", "run"]
     return [*cli, "--run-dir", str(run_dir), *options, "--", *command]
 
 

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from lossguard.agent.recovery import weights_digest
-from lossguard.common.control_client import ControlClient, ControlError
-from lossguard.common.protocol import SOCKET_NAME
+from lossguard.common.control.client import ControlClient, ControlError
+from lossguard.common.rundir.names import SOCKET_NAME
 from lossguard.monitor.sources.discovery import discover_agents
 
 from .conftest import count_host_reads, events, step_records, wait_for

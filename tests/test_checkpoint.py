@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import torch
 
-from lossguard.agent.checkpoint.meta import (
+from lossguard.agent.checkpoint.snapshot import snapshot
+from lossguard.agent.checkpoint.store import CheckpointStore
+from lossguard.common.rundir.checkpoints import (
     META_FILE,
     STATE_FILE,
     CheckpointError,
     CheckpointMeta,
     checkpoint_name,
 )
-from lossguard.agent.checkpoint.snapshot import snapshot
-from lossguard.agent.checkpoint.store import CheckpointStore
 
 LOGGER = "lossguard.agent.checkpoint"
 META_FIELDS = {

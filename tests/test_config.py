@@ -122,9 +122,22 @@ def test_cli_bad_config_is_one_line_and_exit_2(
     assert "Traceback" not in result.stderr
 
 
+def test_check_prints_the_config_resolved(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_text("train: {lr: 0.01}\n")
+    result = run_cli("check", str(path), "--set", "train.max_steps=7")
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert set(resolved) == set(Config().resolved())
+    assert (resolved["train"]["lr"], resolved["train"]["max_steps"]) == (0.01, 7)
+    bad = run_cli("check", str(path), "--set", "train.lr=-1")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("lossguard-agent: error: train.lr")
+
+
 def test_torch_free_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, lossguard.agent, lossguard.agent.config, lossguard.agent.train.data, "
+        "import sys, lossguard.agent, lossguard.agent.config, lossguard.agent.train.corpus, "
         "lossguard.agent.cli, lossguard.monitor\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lossguard.agent.control.server import answered_before
-from lossguard.agent.rundir import RunDirectory
-from lossguard.common.control_client import ControlClient, ControlError
-from lossguard.common.protocol import MAX_LINE_BYTES
+from lossguard.common.control.client import ControlClient, ControlError
+from lossguard.common.control.protocol import MAX_LINE_BYTES
+from lossguard.common.control.server import answered_before
+from lossguard.common.rundir.directory import RunDirectory
 
 from .conftest import events, start_agent, tiny_settings, wait_for, write_config
 
@@ -278,7 +278,7 @@ def test_lossguard_ctl_drives_a_live_run(agent: Agent) -> None:
 
 
 def test_a_reply_with_a_diverged_loss_is_still_json() -> None:
-    from lossguard.common.protocol import encode, ok_reply
+    from lossguard.common.control.protocol import encode, ok_reply
 
     line = encode(ok_reply("r", {"last_train_loss": float("nan"), "x": [float("inf"), 1.5]}))
     assert json.loads(line) == {
@@ -289,7 +289,7 @@ def test_a_reply_with_a_diverged_loss_is_still_json() -> None:
 
 
 def test_listen_failures_name_their_endpoint(tmp_path: Path) -> None:
-    from lossguard.agent.control.server import ControlServer, ListenError
+    from lossguard.common.control.server import ControlServer, ListenError
 
     with pytest.raises(ListenError, match="longer than 107 bytes") as too_long:
         ControlServer(socket_path=tmp_path / ("x" * 120) / "control.sock")

@@ -19,15 +19,14 @@ from typing import Any
 import pytest
 
 from lossguard.agent.control.ctl import main
-from lossguard.common.control_client import (
+from lossguard.common.control.client import (
     MAX_REPLY_BYTES,
     ControlClient,
     ControlError,
     ControlTimeout,
     ControlUnavailable,
 )
-from lossguard.common.protocol import (
-    SOCKET_NAME,
+from lossguard.common.control.protocol import (
     ErrorCode,
     ProtocolError,
     Request,
@@ -36,6 +35,7 @@ from lossguard.common.protocol import (
     ok_reply,
     parse_request,
 )
+from lossguard.common.rundir.names import SOCKET_NAME
 
 TOKEN = "s3cret-token-4f9a1c"
 CREATED = 1_700_000_000.0
@@ -643,7 +643,7 @@ def test_console_script_is_installed(unix_agent: FakeAgent) -> None:
 
 def test_ctl_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, lossguard.agent.control.ctl, lossguard.common.control_client\n"
+        "import sys, lossguard.agent.control.ctl, lossguard.common.control.client\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -23,9 +23,10 @@ from lossguard.agent import Guard
 from lossguard.agent.config import parse_config
 from lossguard.agent.control.ctl import main
 from lossguard.agent.control.offline import resume_command
-from lossguard.common.agent_file import AgentInfo
-from lossguard.common.control_client import ControlClient
-from lossguard.common.supervisor_file import SUPERVISOR_FILE, SupervisorInfo
+from lossguard.common.control.client import ControlClient
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.names import SUPERVISOR_FILE
+from lossguard.common.rundir.supervisor_file import SupervisorInfo
 
 from .conftest import REPO, events, start_agent, tiny_settings, wait_for, write_config
 

@@ -14,7 +14,7 @@ import pytest
 
 from lossguard.common import catalogue
 from lossguard.monitor import metrics as monitor_metrics
-from lossguard.monitor.supervisor import metrics as supervisor_metrics
+from lossguard.supervisor import metrics as supervisor_metrics
 
 JSON_DIR = Path(__file__).resolve().parents[1] / "dashboards" / "json"
 UIDS = ("lossguard-run", "lossguard-fleet", "lossguard-monitor")

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lossguard.agent.config import DataConfig
-from lossguard.agent.train.data import (
+from lossguard.agent.train.corpus import (
     BatchSampler,
     DataError,
     TokenData,

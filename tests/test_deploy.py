@@ -17,8 +17,8 @@ import pytest
 import requests
 import yaml
 
-from lossguard.common.agent_file import AgentInfo
-from lossguard.common.supervisor_file import SupervisorInfo
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from lossguard.monitor.config import load_monitor_config
 from lossguard.monitor.sources.file_sd import FileSdWriter
 

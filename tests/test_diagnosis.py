@@ -20,8 +20,8 @@ from torch import nn
 from lossguard.agent import Guard
 from lossguard.agent.config import parse_config
 from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
-from lossguard.common.control_client import ControlClient, ControlError
-from lossguard.common.protocol import ProtocolError, validate_args
+from lossguard.common.control.client import ControlClient, ControlError
+from lossguard.common.control.protocol import ProtocolError, validate_args
 
 from .conftest import events, start_agent, tiny_settings, wait_for, write_config
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lossguard.agent.rundir import RunDirectory
+from lossguard.common.rundir.directory import RunDirectory
 from lossguard.monitor.sources.discovery import (
     DiscoveredTarget,
     discover_agents,

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from lossguard.agent import Guard
-from lossguard.agent.checkpoint.meta import list_checkpoints
 from lossguard.agent.checkpoint.store import CheckpointStore
-from lossguard.agent.checkpoint.targets import is_superseded
 from lossguard.agent.config import Config, parse_config
-from lossguard.agent.guard import CheckpointsExist
 from lossguard.agent.recovery import RestoreError, weights_digest
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.agent.startup import CheckpointsExist
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
+from lossguard.common.rundir.targets import is_superseded
 
 from .conftest import count_host_reads
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import requests
 
-from lossguard.agent.checkpoint.meta import list_checkpoints
-from lossguard.common.agent_file import AgentInfo
-from lossguard.common.supervisor_file import SupervisorInfo
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from tests.conftest import (
     events,
     free_port,

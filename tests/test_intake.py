@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from lossguard.common.config import ConfigError
 from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_webhook
-from lossguard.monitor.api import ALERTMANAGER_PATH, MAX_BODY_BYTES, MonitorServer
 from lossguard.monitor.config import ListenConfig, is_loopback, webhook_token
+from lossguard.monitor.http.ops import ALERTMANAGER_PATH
+from lossguard.monitor.http.server import MAX_BODY_BYTES, MonitorServer
 from tests.alert_stack import webhook_receiver
 from tests.amserver import alertmanager, amtool, capture_server
 from tests.conftest import REPO, monitor_cli, wait_for

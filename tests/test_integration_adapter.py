@@ -15,7 +15,7 @@ from lossguard.agent.integrations.adapter import (
     batch_tokens,
     framework_wandb_conflict,
 )
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 
 def test_tokens_are_counted_from_the_batch_shape() -> None:

@@ -1,4 +1,7 @@
-"""The shape of the house: no import circles, and the torch-free side stays torch-free."""
+"""The shape of the house (DESIGN.md "Layout"): no import circles; ``common/`` imports nothing
+else of lossguard; nothing outside ``agent/`` imports ``lossguard.agent``; the monitor and the
+supervisor import only ``common/`` beside themselves and never torch. Each wall is shown able to
+fail."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import ast
 import graphlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ PACKAGES = {
     "common": "lossguard.common",
     "agent": "lossguard.agent",
     "monitor": "lossguard.monitor",
+    "supervisor": "lossguard.supervisor",
 }
 
 
@@ -30,14 +35,14 @@ def module_files() -> dict[str, Path]:
     return modules
 
 
-def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
-    """The lossguard modules that ``path`` imports anywhere in it (function bodies and
-    TYPE_CHECKING blocks included: a circle through either is still a circle)."""
+def import_statements(path: Path, name: str) -> Iterator[tuple[str, list[str]]]:
+    """``(module, names)`` for each import in ``path``, anywhere in it (function bodies and
+    TYPE_CHECKING blocks included); relative imports resolved against ``name``; ``names``:
+    what ``from module import ...`` names (empty for ``import module``)."""
     is_package = path.name == "__init__.py"
-    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            yield from ((alias.name, []) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: resolve against this module's package
@@ -45,9 +50,19 @@ def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
                 for _ in range(node.level - 1):
                     package = package.rpartition(".")[0]
                 base = f"{package}.{base}".rstrip(".")
-            for alias in node.names:
-                candidate = f"{base}.{alias.name}"
-                found.add(candidate if candidate in known else base)
+            yield base, [alias.name for alias in node.names]
+
+
+def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
+    """The lossguard modules that ``path`` imports anywhere in it (a circle through a function
+    body or a TYPE_CHECKING block is still a circle)."""
+    found: set[str] = set()
+    for base, names in import_statements(path, name):
+        if not names:
+            found.add(base)
+        for alias in names:
+            candidate = f"{base}.{alias}"
+            found.add(candidate if candidate in known else base)
     return {module for module in found if module in known and module != name}
 
 
@@ -73,16 +88,104 @@ def test_the_circle_check_sees_a_circle(tmp_path: Path) -> None:
         tuple(graphlib.TopologicalSorter(graph).static_order())
 
 
-def test_monitor_and_common_never_import_torch() -> None:
-    names = [n for n in module_files() if not n.startswith("lossguard.agent")]
+def lossguard_imports(path: Path, name: str) -> set[str]:
+    """Every ``lossguard`` module that ``path`` names in an import, whether or not it exists."""
+    found = {module for module, _ in import_statements(path, name)}
+    return {module for module in found if module == "lossguard" or module.startswith("lossguard.")}
+
+
+WALLS = {
+    "lossguard.common": ("lossguard.common",),
+    "lossguard.monitor": ("lossguard.common", "lossguard.monitor"),
+    "lossguard.supervisor": ("lossguard.common", "lossguard.supervisor"),
+}
+"""What each torch-free package may import of lossguard (``lossguard.common`` itself)."""
+
+
+def breaches(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """The modules that import across their package's wall, with what they import."""
+    found = {}
+    for name, path in modules.items():
+        package = next((p for p in WALLS if name == p or name.startswith(p + ".")), None)
+        if package is None:
+            continue
+        allowed = WALLS[package]
+        beyond = sorted(
+            module
+            for module in lossguard_imports(path, name)
+            if not any(module == a or module.startswith(a + ".") for a in allowed)
+        )
+        if beyond:
+            found[name] = beyond
+    return found
+
+
+def test_common_monitor_and_supervisor_import_only_what_their_wall_allows() -> None:
+    assert breaches(module_files()) == {}
+
+
+def test_nothing_outside_the_agent_imports_it() -> None:
+    """The torch-free packages (walled above) and the dashboards."""
+    outside = {
+        f"dashboards.{path.stem}": path for path in sorted((ROOT / "dashboards").rglob("*.py"))
+    }
+    importing = {
+        name: sorted(m for m in lossguard_imports(path, name) if m.startswith("lossguard.agent"))
+        for name, path in {**module_files(), **outside}.items()
+        if not name.startswith("lossguard.agent")
+    }
+    assert {name: found for name, found in importing.items() if found} == {}
+
+
+MONITOR_CLI = "lossguard.monitor.cli"
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "crossed"),
+    [
+        (
+            "lossguard.monitor.x",
+            "from lossguard.agent.guard import Guard\n",
+            "lossguard.agent.guard",
+        ),
+        (
+            "lossguard.supervisor.x",
+            "def f():\n    import lossguard.monitor.cli\n",
+            "lossguard.monitor.cli",
+        ),
+        ("lossguard.common.x", "from lossguard.supervisor import cli\n", "lossguard.supervisor"),
+        ("lossguard.common.rundir.x", "from ...agent import guard\n", "lossguard.agent"),
+    ],
+)
+def test_the_walls_see_a_breach(tmp_path: Path, name: str, source: str, crossed: str) -> None:
+    """The wall check itself can fail: a module that imports across its wall, at the top, in a
+    function body or relatively, is reported."""
+    path = tmp_path / "x.py"
+    path.write_text(source)
+    assert breaches({name: path}) == {name: [crossed]}
+
+
+def torch_check(names: list[str]) -> subprocess.CompletedProcess[str]:
+    """Import each of ``names`` in a fresh interpreter; fails naming the first that loads
+    torch."""
     code = (
         "import importlib, sys\n"
         f"for name in {names!r}:\n"
         "    importlib.import_module(name)\n"
         "    assert 'torch' not in sys.modules, name + ' imported torch'\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_monitor_supervisor_and_common_never_import_torch() -> None:
+    names = [n for n in module_files() if not n.startswith("lossguard.agent")]
+    result = torch_check([*names, "lossguard.agent"])  # Guard and the trainer load torch
     assert result.returncode == 0, result.stderr
+
+
+def test_the_torch_check_sees_torch() -> None:
+    result = torch_check(["lossguard.common", "lossguard.agent.guard"])
+    assert result.returncode != 0 and "lossguard.agent.guard imported torch" in result.stderr
 
 
 def test_the_built_in_trainer_sits_on_top_of_guard() -> None:

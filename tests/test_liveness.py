@@ -19,9 +19,9 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from lossguard.agent.checkpoint.meta import META_FILE, checkpoint_name, meta_fields
-from lossguard.common.agent_file import AgentInfo
-from lossguard.common.supervisor_file import SupervisorInfo, SupervisorState
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.checkpoints import META_FILE, checkpoint_name, meta_fields
+from lossguard.common.rundir.supervisor_file import SupervisorInfo, SupervisorState
 from lossguard.monitor.metrics import MonitorMetrics
 from lossguard.monitor.notify.facts import RunFacts
 from lossguard.monitor.promql import Sample

@@ -18,8 +18,8 @@ from typing import Any
 import requests
 import yaml
 
-from lossguard.agent.checkpoint.meta import list_checkpoints
-from lossguard.common.metrics_log import last_logged
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.metrics_log import last_logged
 from tests.conftest import (
     REPO,
     alert_events,

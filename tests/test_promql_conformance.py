@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from lossguard.common.config import parse_duration
 from lossguard.monitor.promql import (
     EvaluationError,
     Labels,
@@ -26,7 +27,6 @@ from lossguard.monitor.promql import (
     format_labels,
     parse_series,
 )
-from lossguard.monitor.promql.literals import parse_duration
 
 TESTDATA = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "promql-v2.42.0"
 MIN_IN_SUBSET = 250  # what the subset covers today; fewer means the subset shrank

@@ -17,12 +17,12 @@ from torch import nn
 
 from lossguard.agent import Guard
 from lossguard.agent.config import parse_config
+from lossguard.common.rundir.jsonl import read_jsonl
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.report import ReportError, marks, write_report
 from lossguard.monitor.report.data import Point, RunRecord, read_run
 from lossguard.monitor.report.figures import draw_loss
-from lossguard.monitor.report.jsonl import read_jsonl
 from lossguard.monitor.rules.alerting import (
     Alert,
     AlertState,

@@ -18,7 +18,7 @@ from PIL import Image
 
 from lossguard.agent.config import parse_config
 from lossguard.agent.train.trainer import Trainer
-from lossguard.common.control_client import ControlClient
+from lossguard.common.control.client import ControlClient
 from lossguard.monitor.report import ReportFiles, write_report
 from lossguard.monitor.report.figures import COLOURS
 

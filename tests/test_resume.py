@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from lossguard.common.control_client import ControlClient
+from lossguard.common.control.client import ControlClient
 
 from .conftest import (
     events,

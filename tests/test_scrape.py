@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from lossguard.agent.telemetry.registry import AgentMetrics
+from lossguard.common.registry import AgentMetrics
 from lossguard.monitor.promql import Matcher, Sample, make_labels
 from lossguard.monitor.sources.scrape import ScrapeSource
 

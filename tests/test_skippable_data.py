@@ -20,7 +20,7 @@ from torch.utils.data import (
 
 from lossguard.agent import Guard, SkippableDataLoader
 from lossguard.agent.config import parse_config
-from lossguard.common.protocol import SkipBatches
+from lossguard.common.control.protocol import SkipBatches
 
 DATASET = TensorDataset(torch.arange(30))
 EPOCH = 8  # batches of 4 from 30 samples (the last one short)

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from lossguard.agent import Guard
-from lossguard.agent.checkpoint.meta import list_checkpoints
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
-from lossguard.agent.checkpoint.targets import listing
 from lossguard.agent.config import Config, parse_config
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.targets import listing
 
 from .conftest import events
 

@@ -15,10 +15,10 @@ from typing import Any
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from lossguard.common.control_client import ControlClient
-from lossguard.common.supervisor_file import SupervisorInfo, pid_alive
-from lossguard.monitor.supervisor.budget import RestartBudget
-from lossguard.monitor.supervisor.resume import ResumePlanner, step_reached
+from lossguard.common.control.client import ControlClient
+from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
+from lossguard.supervisor.budget import RestartBudget
+from lossguard.supervisor.resume import ResumePlanner, step_reached
 from tests.conftest import (
     events,
     run_cli,
@@ -80,7 +80,7 @@ def ask(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "lossguard.monitor.supervisor.cli",
+            "lossguard.supervisor.cli",
             *args,
             "--run-dir",
             str(run_dir),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from lossguard.common.supervisor_file import SupervisorInfo
+from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from tests.bench_supervisor import chaos, supervise
 from tests.conftest import (
     REPO,

@@ -110,7 +110,7 @@ def test_live_scrape_has_every_catalogue_metric_and_promtool_is_clean(
 
 
 def _status_request() -> tuple[Any, None]:
-    from lossguard.common.protocol import Request
+    from lossguard.common.control.protocol import Request
 
     return Request("t1", "status", {}), None
 

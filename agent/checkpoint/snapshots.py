@@ -29,13 +29,12 @@ from typing import Any
 
 import torch
 
-from lossguard.agent.checkpoint.meta import CheckpointMeta, checkpoint_name, meta_fields
-from lossguard.agent.checkpoint.targets import IN_MEMORY
+from lossguard.common.rundir.checkpoints import CheckpointMeta, checkpoint_name, meta_fields
+from lossguard.common.rundir.targets import IN_MEMORY, MEMORY_PREFIX
 from lossguard.common.sizes import format_bytes
 
 log = logging.getLogger("lossguard.agent.checkpoint")
 
-MEMORY_PREFIX = "memory/"
 _IMMUTABLE = (int, float, str, bool, bytes, type(None))
 
 

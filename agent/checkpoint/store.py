@@ -9,6 +9,7 @@ of a crash are removed when a store opens. Only one process writes to a store at
 from __future__ import annotations
 
 import builtins
+import json
 import logging
 import os
 import secrets
@@ -22,24 +23,26 @@ from typing import Any
 
 import torch
 
-from lossguard.agent.checkpoint.files import (
-    fsync_dir,
-    remove,
-    sha256_file,
-    write_json_synced,
-    write_synced,
-)
-from lossguard.agent.checkpoint.meta import (
+from lossguard.common.rundir.checkpoints import (
     META_FILE,
     NAME_RE,
     STATE_FILE,
     CheckpointError,
     CheckpointMeta,
+    error_line,
     list_checkpoints,
     meta_fields,
-    one_line,
 )
-from lossguard.agent.checkpoint.targets import (
+from lossguard.common.rundir.directory import package_versions
+from lossguard.common.rundir.files import (
+    fsync_dir,
+    remove,
+    sha256_file,
+    write_atomically,
+    write_json_synced,
+    write_synced,
+)
+from lossguard.common.rundir.targets import (
     NAMED_TARGETS,
     SUPERSEDED,
     is_in_memory,
@@ -47,7 +50,6 @@ from lossguard.agent.checkpoint.targets import (
     ordered,
     ordered_states,
 )
-from lossguard.agent.rundir import package_versions
 
 _HIDDEN_PREFIXES = (".tmp-", ".trash-")
 
@@ -279,11 +281,8 @@ class CheckpointStore:
                 if earlier or is_superseded(meta):
                     continue
                 updated = replace(meta, extra={**meta.extra, SUPERSEDED: True})
-                folder = self.root / meta.name
-                tmp = folder / f".{META_FILE}.tmp"
-                write_json_synced(tmp, updated.to_dict())
-                os.replace(tmp, folder / META_FILE)
-                fsync_dir(folder)
+                text = json.dumps(updated.to_dict(), indent=2) + "\n"
+                write_atomically(self.root / meta.name / META_FILE, text)
                 marked.append(meta.name)
         return marked
 
@@ -334,7 +333,7 @@ class CheckpointStore:
             self._publish(tmp, name)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {name}: save failed ({one_line(exc)})") from exc
+            raise CheckpointError(f"checkpoint {name}: save failed ({error_line(exc)})") from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -371,7 +370,7 @@ class CheckpointStore:
             except FileNotFoundError:
                 raise _Unusable(f"{file_name} is missing") from None
             except OSError as exc:
-                raise _Unusable(f"{file_name} is unreadable ({one_line(exc)})") from None
+                raise _Unusable(f"{file_name} is unreadable ({error_line(exc)})") from None
             if actual != expected:
                 raise _Unusable(f"sha256 mismatch in {file_name}")
 
@@ -381,7 +380,7 @@ class CheckpointStore:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # whatever the unpickler raises, the checkpoint is unusable
-            raise _Unusable(f"cannot load {STATE_FILE}: {one_line(exc)}") from None
+            raise _Unusable(f"cannot load {STATE_FILE}: {error_line(exc)}") from None
         if not isinstance(state, dict):
             raise _Unusable(f"{STATE_FILE} holds a {type(state).__name__}, not a dict")
         return state

@@ -11,15 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from lossguard.agent.checkpoint.meta import CheckpointMeta
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.checkpoint.store import CheckpointStore
-from lossguard.agent.checkpoint.targets import listing, named_states
-from lossguard.agent.control.server import ControlServer, PendingCommand
 from lossguard.agent.distributed import all_reduce_max, broadcast_objects
 from lossguard.agent.recovery import OnSaved, RestoreError
 from lossguard.agent.telemetry.collector import Telemetry
-from lossguard.common.protocol import (
+from lossguard.common.control.protocol import (
     ErrorCode,
     Request,
     SkipBatches,
@@ -27,6 +24,10 @@ from lossguard.common.protocol import (
     error_reply,
     ok_reply,
 )
+from lossguard.common.control.server import ControlServer, PendingCommand
+from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.rundir.events import COMMAND
+from lossguard.common.rundir.targets import listing, named_states
 
 log = logging.getLogger("lossguard.agent")
 
@@ -124,7 +125,7 @@ class CommandRunner:
             else:
                 message = ok_reply(request.id, outcome)
             self.target.event(
-                "command",
+                COMMAND,
                 id=request.id,
                 cmd=request.cmd,
                 args=request.args,

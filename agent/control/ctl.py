@@ -13,23 +13,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR
 from lossguard.agent.control.offline import checkpoints_on_disk, dead_agent
 from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from lossguard.common.console import format_duration
-from lossguard.common.control_client import (
+from lossguard.common.control.client import (
     ControlClient,
     ControlError,
     ControlTimeout,
     ControlUnavailable,
 )
-from lossguard.common.protocol import (
-    ABANDONED,
-    COMMAND_ARGS,
-    SOCKET_NAME,
-    ProtocolError,
-    validate_args,
-)
+from lossguard.common.control.protocol import ABANDONED, COMMAND_ARGS, ProtocolError, validate_args
+from lossguard.common.rundir.names import CHECKPOINT_DIR, SOCKET_NAME
 
 EXIT_REFUSED = 1
 EXIT_UNREACHABLE = 3

@@ -12,11 +12,12 @@ from typing import Any
 
 import yaml
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, list_checkpoints
-from lossguard.agent.checkpoint.targets import listing, ordered
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo
-from lossguard.common.metrics_log import last_logged
-from lossguard.common.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.metrics_log import last_logged
+from lossguard.common.rundir.names import AGENT_FILE, CHECKPOINT_DIR, CONFIG_FILE, ENV_FILE
+from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+from lossguard.common.rundir.targets import listing, ordered
 
 BUILT_IN_TRAINER = ("lossguard-agent", "lossguard/agent/cli.py")
 """How ``env.json``'s ``argv[0]`` ends for a run of ``lossguard-agent run``."""
@@ -68,7 +69,7 @@ def resume_command(run_dir: Path, world_size: int, checkpoint: str) -> str:
         words = [*launcher, *python, *argv]
         return f"LOSSGUARD_RESUME={checkpoint} {shlex.join(words)}"
     agent = [*launcher, "-m", "lossguard.agent.cli"] if launcher else ["lossguard-agent"]
-    config = run_dir / "config.yaml"
+    config = run_dir / CONFIG_FILE
     words = [*agent, "run", str(config), "--resume", checkpoint]
     if _run_dir_in(config) != run_dir.resolve():  # its run.dir is relative to another folder
         words += ["--set", f"run.dir={run_dir.parent}"]
@@ -77,7 +78,7 @@ def resume_command(run_dir: Path, world_size: int, checkpoint: str) -> str:
 
 def _recorded_argv(run_dir: Path) -> list[str]:
     try:
-        argv = json.loads((run_dir / "env.json").read_text(encoding="utf-8"))["argv"]
+        argv = json.loads((run_dir / ENV_FILE).read_text(encoding="utf-8"))["argv"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
     return [str(word) for word in argv] if isinstance(argv, list) else []

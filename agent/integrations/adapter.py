@@ -22,8 +22,9 @@ from torch import nn
 from lossguard.agent.config import Config
 from lossguard.agent.guard import Guard
 from lossguard.agent.recovery import OnSaved, RestoreError, Stateful
-from lossguard.common.protocol import ABANDONED, SkipBatches, Target
-from lossguard.common.supervisor_file import RESUME_ENV
+from lossguard.common.control.protocol import ABANDONED, SkipBatches, Target
+from lossguard.common.rundir.events import CONTINUED
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 log = logging.getLogger("lossguard.agent")
 
@@ -160,7 +161,7 @@ class FrameworkRun:
         )
         if global_step:
             guard.progress.step = global_step
-            guard.event("continued", framework=framework)  # at the framework's step
+            guard.event(CONTINUED, framework=framework)  # at the framework's step
         return cls(guard, tokens_per_step=tokens_per_step)
 
     def micro_batch(self, loss: torch.Tensor | None, tokens: int, *, summed: bool) -> None:

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from lossguard.agent.integrations.adapter import GuardedCallback, framework_wandb_conflict
+from lossguard.common.rundir.events import FRAMEWORK_CHECKPOINT
 
 FRAMEWORK = "transformers.Trainer"
 
@@ -122,7 +123,7 @@ class LossguardCallback(GuardedCallback, TrainerCallback):
     ) -> None:
         if self.run is not None:
             path = Path(args.output_dir or ".") / f"checkpoint-{state.global_step}"
-            self.run.guard.event("framework_checkpoint", path=str(path))
+            self.run.guard.event(FRAMEWORK_CHECKPOINT, path=str(path))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

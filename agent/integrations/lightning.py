@@ -24,6 +24,7 @@ from lossguard.agent.integrations.adapter import (
     batch_tokens,
     framework_wandb_conflict,
 )
+from lossguard.common.rundir.events import FRAMEWORK_CHECKPOINT
 
 FRAMEWORK = "Lightning"
 
@@ -110,7 +111,7 @@ class LossguardCallback(GuardedCallback, pl.Callback):
         if run.guard.take_framework_save():
             path = self._checkpoint_dir(trainer) / f"lossguard-step={trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)
-            run.guard.event("framework_checkpoint", path=str(path))
+            run.guard.event(FRAMEWORK_CHECKPOINT, path=str(path))
         if run.guard.stop_requested:
             trainer.should_stop = True
 

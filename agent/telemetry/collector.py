@@ -18,20 +18,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from lossguard.agent.checkpoint.meta import CheckpointMeta
 from lossguard.agent.config import Config
 from lossguard.agent.distributed import all_gather_objects
-from lossguard.agent.rundir import git_commit
 from lossguard.agent.telemetry.exporter import Exporter
 from lossguard.agent.telemetry.fp8_fidelity import Fp8Fidelity, Replay
 from lossguard.agent.telemetry.fp8_health import TENSORS as FP8_TENSORS
 from lossguard.agent.telemetry.fp8_health import Fp8Health
 from lossguard.agent.telemetry.grad_diagnostics import GradDiagnostics
 from lossguard.agent.telemetry.hardware import Nvml, Peak, memory_stats, resolve_peak
-from lossguard.agent.telemetry.registry import AgentMetrics
 from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeDetector
 from lossguard.common import __version__
 from lossguard.common.catalogue import MEMORY_KINDS, SIGNALS
+from lossguard.common.registry import AgentMetrics
+from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.rundir.directory import git_commit
 
 log = logging.getLogger("lossguard.agent")
 

@@ -12,6 +12,7 @@ import torch
 
 from lossguard.agent.distributed import all_reduce_max_tensor, all_reduce_sum
 from lossguard.common.catalogue import SIGNALS
+from lossguard.common.rundir.events import NONFINITE, SPIKE
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class DetectionAudit:
         found: list[tuple[str, dict[str, Any]]] = []
         for signal_name in SIGNALS:
             values = stats[signal_name]
-            for event, counter in (("spike", "spikes_total"), ("nonfinite", "nonfinite_total")):
+            for event, counter in ((SPIKE, "spikes_total"), (NONFINITE, "nonfinite_total")):
                 key = f"{signal_name}_{counter}"
                 total, seen = int(values[counter]), self._seen.get(key, 0)
                 if total > seen:

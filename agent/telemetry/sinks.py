@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from lossguard.agent.rundir import JsonlLog
 from lossguard.agent.telemetry.progress import ProgressDisplay
 from lossguard.agent.telemetry.wandb_logger import WandbLogger
+from lossguard.common.rundir.jsonl import JsonlLog
 
 
 class Sink(Protocol):

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from lossguard.agent.config import FaultConfig
-from lossguard.agent.train.data import Batch
+from lossguard.agent.train.corpus import Batch
+from lossguard.common.rundir.events import FAULT
 
 log = logging.getLogger("lossguard.agent")
 
@@ -60,7 +61,7 @@ class FaultInjector:
         }
         for fault in self.active.values():
             if fault.step == step:
-                self.event("fault", **fault.model_dump())
+                self.event(FAULT, **fault.model_dump())
         if "crash" in self.active:
             crash(step)
         if "hang" in self.active:

@@ -18,7 +18,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lossguard.agent.config import Config
-from lossguard.agent.control.server import socket_is_live
 from lossguard.agent.distributed import (
     all_reduce_sum,
     barrier,
@@ -26,15 +25,18 @@ from lossguard.agent.distributed import (
     setup_distributed,
     teardown_distributed,
 )
-from lossguard.agent.guard import Guard, resume_target
+from lossguard.agent.guard import Guard
 from lossguard.agent.precision import autocast, convert_to_fp8, make_grad_scaler
-from lossguard.agent.train.data import Batch, BatchSampler, load_data
+from lossguard.agent.startup import resume_target
+from lossguard.agent.train.corpus import Batch, BatchSampler, load_data
 from lossguard.agent.train.faults import FaultInjector
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.optim import WeightEma, build_optimizer, build_scheduler
 from lossguard.common.config import ConfigError
-from lossguard.common.protocol import SOCKET_NAME, Target
+from lossguard.common.control.protocol import Target
+from lossguard.common.control.server import socket_is_live
+from lossguard.common.rundir.names import CONFIG_FILE, SOCKET_NAME
 
 log = logging.getLogger("lossguard.agent")
 
@@ -111,7 +113,7 @@ class Trainer:
         cfg.run.id = broadcast_from_main(cfg.run.id or new_run_id())
         self.cfg = cfg
         self.run_path = cfg.run.dir / str(cfg.run.id)
-        if resuming and not (self.run_path / "config.yaml").exists():
+        if resuming and not (self.run_path / CONFIG_FILE).exists():
             raise ConfigError(f"run.id: no run directory {self.run_path} to resume")
         if resuming and socket_is_live(self.run_path / SOCKET_NAME):
             raise ConfigError(

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lossguard.common.control_client import ControlClient
-from lossguard.common.supervisor_file import SupervisorInfo
+from lossguard.common.control.client import ControlClient
+from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.sources.discovery import DiscoveredTarget, discover_agents
 

@@ -10,6 +10,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from lossguard.common.config import seconds
+from lossguard.common.rundir.names import EVENTS_LOG
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
 from lossguard.monitor.actions.endpoints import Endpoints
@@ -25,10 +27,8 @@ from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
 from lossguard.monitor.state import StateStore
-from lossguard.monitor.validation import seconds
 
 log = logging.getLogger("lossguard.monitor.actions")
-EVENTS_FILE = "events.jsonl"
 EXTERNAL_TTL_S = 24 * 3600  # an Alertmanager alert never heard of again is forgotten
 
 
@@ -147,7 +147,7 @@ class Actions:
         ``signal`` in the run's current timeline (runs under the runs root only)."""
         signal = alert.labels.get("signal")
         run_dir = self.endpoints.run_dir(run_id) if signal and alert.status == "firing" else None
-        found = latest_diagnosis(run_dir / EVENTS_FILE, signal) if run_dir and signal else None
+        found = latest_diagnosis(run_dir / EVENTS_LOG, signal) if run_dir and signal else None
         if found is None:
             return alert.annotations
         return {**alert.annotations, "diagnosis": diagnosis_text(found)}

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
+from lossguard.common.config import seconds
 from lossguard.monitor.actions.exhausted import ExhaustedPages
 from lossguard.monitor.actions.model import ActionAlert, ActionRecord, ActionState
 from lossguard.monitor.actions.policy import ACTION_LABEL, ACTIONS, ActionsConfig
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.silences import SilenceStore
-from lossguard.monitor.validation import seconds
 
 Observe = Callable[[str, str], None]  # (action kind, result)
 log = logging.getLogger("lossguard.monitor.actions")

@@ -12,9 +12,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from lossguard.common.config import Section
-from lossguard.common.protocol import parse_target
-from lossguard.monitor.validation import seconds
+from lossguard.common.config import Section, seconds
+from lossguard.common.control.protocol import parse_target
 
 ACTION_LABEL = "action"
 ACTIONS = ("rollback", "pause", "stop", "checkpoint", "restart")

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lossguard.common.control_client import ControlError, ControlTimeout, ControlUnavailable
-from lossguard.common.protocol import ErrorCode
+from lossguard.common.control.client import ControlError, ControlTimeout, ControlUnavailable
+from lossguard.common.control.protocol import ErrorCode
 from lossguard.monitor.actions.describe import describe
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
 from lossguard.monitor.actions.model import ActionRecord, ActionState

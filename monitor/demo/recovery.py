@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lossguard.common.rundir.events import FAULT, ROLLBACK
+
 
 @dataclass(frozen=True)
 class Recovery:
@@ -24,12 +26,12 @@ class Recovery:
 def injected_fault(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The first ``fault`` event that perturbs training (not a mere ``slow_step``)."""
     return next(
-        (e for e in events if e.get("event") == "fault" and e.get("kind") != "slow_step"), None
+        (e for e in events if e.get("event") == FAULT and e.get("kind") != "slow_step"), None
     )
 
 
 def first_rollback(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    return next((e for e in events if e.get("event") == "rollback"), None)
+    return next((e for e in events if e.get("event") == ROLLBACK), None)
 
 
 def first_step_after(records: Sequence[dict[str, Any]], time: float) -> dict[str, Any] | None:

@@ -15,7 +15,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from lossguard.common.control_client import ControlClient, ControlError, ControlUnavailable
+from lossguard.common.config import seconds
+from lossguard.common.control.client import ControlClient, ControlError, ControlUnavailable
+from lossguard.common.rundir.events import ROLLBACK
+from lossguard.common.rundir.names import SOCKET_NAME
 from lossguard.monitor.demo.inbox import Inbox
 from lossguard.monitor.demo.scenario import (
     GROUP_INTERVAL,
@@ -31,7 +34,6 @@ from lossguard.monitor.demo.scenario import (
 from lossguard.monitor.demo.summary import Places, Story, build_story, summary_lines
 from lossguard.monitor.demo.view import LiveView, PlainView, View, use_plain
 from lossguard.monitor.demo.watch import Happening, Watcher
-from lossguard.monitor.validation import seconds
 
 POLL_S = 0.25
 TIME_LIMIT_S = 900.0  # the story normally ends within minutes; a run that never recovers stops
@@ -221,7 +223,7 @@ class Demo:
 
     def _recovered(self) -> bool:
         """Rolled back and evaluated at or past ``steps`` since the last rollback."""
-        rollbacks = [e for e in self.watcher.events if e.get("event") == "rollback"]
+        rollbacks = [e for e in self.watcher.events if e.get("event") == ROLLBACK]
         if not rollbacks:
             return False
         since = rollbacks[-1]["time"]
@@ -235,7 +237,7 @@ class Demo:
         self._tell(f"stopping the run: {why} (the stop command: save, exit)")
         try:
             with ControlClient(
-                socket_path=self.files.run_dir / "control.sock", timeout=STOP_TIMEOUT_S
+                socket_path=self.files.run_dir / SOCKET_NAME, timeout=STOP_TIMEOUT_S
             ) as client:
                 client.request("stop", request_id="demo-stop")
         except (ControlError, ControlUnavailable, OSError) as exc:

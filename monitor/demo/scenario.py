@@ -5,6 +5,8 @@ environment variables are set; otherwise the monitor sends them to the demo's lo
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,6 @@ from typing import Any, Literal
 
 import yaml
 
-from lossguard.agent.config import parse_config
 from lossguard.common.config import ConfigError, read_config_file
 from lossguard.monitor.config import load_monitor_config
 
@@ -183,7 +184,8 @@ def write_agent_config(
     files: DemoFiles, scenario: Scenario, overrides: Sequence[str] = ()
 ) -> dict[str, Any]:
     """``agent.yaml``: configs/demo.yaml with the scenario, then ``overrides`` (``--set``),
-    validated (ConfigError naming the key); returns it resolved."""
+    resolved and validated by ``lossguard-agent check`` (ConfigError naming the key); returns
+    it resolved."""
     settings = read_config_file(AGENT_BASE)
     sections: dict[str, dict[str, Any]] = {
         "run": {"dir": str(files.work), "id": RUN_ID, "device": "cpu"},
@@ -202,8 +204,19 @@ def write_agent_config(
     for name, values in sections.items():
         settings[name] = {**settings.get(name, {}), **values}
     settings["faults"] = scenario.faults()
-    resolved = parse_config(settings, overrides).resolved()
-    files.agent_config.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    files.agent_config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    sets = [f"--set={override}" for override in overrides]
+    checked = subprocess.run(
+        [sys.executable, "-m", "lossguard.agent.cli", "check", str(files.agent_config), *sets],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if checked.returncode != 0:
+        lines = checked.stderr.strip().splitlines() or [f"exit status {checked.returncode}"]
+        raise ConfigError(lines[-1].removeprefix("lossguard-agent: error: "))
+    files.agent_config.write_text(checked.stdout)
+    resolved: dict[str, Any] = yaml.safe_load(checked.stdout)
     return resolved
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lossguard.common.rundir.events import DETECTIONS, ROLLBACK
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.demo.inbox import Message
@@ -84,7 +85,7 @@ def build_story(
     transitions, actions and notifications from the monitor's state database."""
     injected = injected_fault(events)
     fault_at = None if injected is None else float(injected["time"])
-    rollbacks = [e for e in events if e.get("event") == "rollback"]
+    rollbacks = [e for e in events if e.get("event") == ROLLBACK]
     evals = [r for r in records if r.get("kind") == "eval"]
     trains = [r for r in records if r.get("kind") == "train"]
     first_back = float(rollbacks[0]["time"]) if rollbacks else None
@@ -92,7 +93,7 @@ def build_story(
     troubles = [
         e
         for e in events
-        if e.get("event") in ("spike", "nonfinite")
+        if e.get("event") in DETECTIONS
         and isinstance(e.get("diagnosis"), dict)
         and fault_at is not None
         and e["time"] >= fault_at

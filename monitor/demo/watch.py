@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lossguard.common.jsonl import json_object
+from lossguard.common.rundir.events import CHECKPOINT, DETECTIONS, FAULT, ROLLBACK
+from lossguard.common.rundir.jsonl import JsonlFollower
+from lossguard.common.rundir.names import EVENTS_LOG, METRICS_LOG
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.store import ActionStore
@@ -74,27 +76,6 @@ class RunStatus:
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=SPARK_POINTS))
 
 
-class JsonlFollower:
-    """The JSON objects appended to a file since the last read (a line still being written
-    waits for its end)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-        self._rest = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as fh:
-                fh.seek(self._offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(data)
-        *lines, self._rest = (self._rest + data).split(b"\n")
-        return [record for line in lines if (record := json_object(line)) is not None]
-
-
 class Watcher:
     """Polls the run directory and the monitor's state database (once the monitor has
     started: its ``listen_url`` is recorded)."""
@@ -108,8 +89,8 @@ class Watcher:
         self.sent: list[Sent] = []
         self.status = RunStatus()
         self.monitor_url: str | None = None
-        self._metrics = JsonlFollower(run_dir / "metrics.jsonl")
-        self._audit = JsonlFollower(run_dir / "events.jsonl")
+        self._metrics = JsonlFollower(run_dir / METRICS_LOG)
+        self._audit = JsonlFollower(run_dir / EVENTS_LOG)
         self._state: StateStore | None = None
         self._action_store: ActionStore | None = None
         self._notify_store: NotifyStore | None = None
@@ -183,16 +164,16 @@ class Watcher:
 
     def _tell(self, event: dict[str, Any]) -> Happening | None:
         kind, at, step = event.get("event"), event["time"], event.get("step")
-        if kind == "fault":
+        if kind == FAULT:
             return Happening(at, "run", f"step {step}: injected fault: {_fault(event)}", "bad")
-        if kind == "rollback":
+        if kind == ROLLBACK:
             self._troubles.clear()  # a new timeline: its first trouble is news again
-        if kind in ("spike", "nonfinite") and isinstance(event.get("diagnosis"), dict):
+        if kind in DETECTIONS and isinstance(event.get("diagnosis"), dict):
             trouble = (kind, str(event.get("signal")))
             if trouble not in self._troubles:  # the first of each kind: the agent repeats it
                 self._troubles.add(trouble)
                 return Happening(at, "run", diagnosis_text(event["diagnosis"]), "warn")
-        if kind == "checkpoint":
+        if kind == CHECKPOINT:
             healthy = bool(event.get("healthy"))
             changed = healthy != self._last_healthy
             self._last_healthy = healthy

@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from lossguard.common.config import ConfigError, Section, field_error
+from lossguard.common.config import ConfigError, Section, field_error, seconds
 from lossguard.monitor.notify.matchers import parse_matchers
-from lossguard.monitor.validation import http_url, seconds
+from lossguard.monitor.validation import http_url
 
 PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"

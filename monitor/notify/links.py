@@ -72,7 +72,7 @@ def iso_time(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="milliseconds")
 
 
-def one_line(text: str) -> str:
+def single_spaced(text: str) -> str:
     """``text`` with every run of whitespace (newlines included) made one space."""
     return " ".join(text.split())
 

@@ -12,12 +12,11 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lossguard.common.config import ConfigError
+from lossguard.common.config import ConfigError, seconds
 from lossguard.monitor.notify.config import RouteConfig
 from lossguard.monitor.notify.matchers import Matcher, format_matchers, matches_all, parse_matchers
 from lossguard.monitor.rules.rulefile import LABEL_NAME
 from lossguard.monitor.rules.templating import go_quote
-from lossguard.monitor.validation import seconds
 
 GROUP_BY_ALL = "..."
 

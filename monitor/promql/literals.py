@@ -1,26 +1,12 @@
-"""PromQL literals with Go semantics: numbers, durations, quoted strings."""
+"""PromQL literals with Go semantics: numbers and quoted strings (durations:
+``lossguard.common.config.parse_duration``)."""
 
 from __future__ import annotations
 
 import re
 
-_DURATION = re.compile(
-    r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?"
-)
-_DAY_MS = 24 * 3600 * 1000
-_UNIT_MS = (365 * _DAY_MS, 7 * _DAY_MS, _DAY_MS, 3600 * 1000, 60 * 1000, 1000, 1)
 _SIMPLE_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
-
-
-def parse_duration(text: str) -> int:
-    """Milliseconds in a duration like ``5m`` or ``1h30m`` (units y w d h m s ms, in order)."""
-    if text == "0":
-        return 0
-    match = _DURATION.fullmatch(text)
-    if not text or match is None:
-        raise ValueError(f"not a valid duration string: {text!r}")
-    return sum(int(n) * unit for n, unit in zip(match.groups(), _UNIT_MS, strict=True) if n)
 
 
 def parse_number(text: str) -> float:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 
+from lossguard.common.config import parse_duration
 from lossguard.monitor.promql import signatures as sig
 from lossguard.monitor.promql.errors import ParseError, UnsupportedError
 from lossguard.monitor.promql.lexer import DURATION, EOF, IDENT, NUMBER, STRING, Token, tokens
-from lossguard.monitor.promql.literals import parse_duration, parse_number, unquote
+from lossguard.monitor.promql.literals import parse_number, unquote
 from lossguard.monitor.promql.matchers import MATCH_OPS, Matcher
 from lossguard.monitor.promql.model import METRIC_NAME
 from lossguard.monitor.promql.nodes import (

@@ -4,11 +4,10 @@ page and one PNG overview. Torch-free."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.agent.rundir import write_atomically
+from lossguard.common.rundir.files import write_atomically
 from lossguard.monitor.report.data import ReportError, read_run
 
 HTML_NAME = "report.html"
@@ -38,9 +37,7 @@ def write_report(
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_atomically(files.html, render(run))
-        partial = files.png.with_name(f".{PNG_NAME}.tmp")
-        overview_png(run, partial)
-        os.replace(partial, files.png)
+        write_atomically(files.png, overview_png(run))
     except OSError as exc:
         raise ReportError(f"cannot write the report into {out}: {exc.strerror or exc}") from None
     return files

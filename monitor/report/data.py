@@ -17,17 +17,22 @@ from typing import Any
 
 import yaml
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, list_checkpoints
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo
-from lossguard.common.supervisor_file import pid_alive
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.jsonl import read_jsonl
+from lossguard.common.rundir.names import (
+    AGENT_FILE,
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    EVENTS_LOG,
+    METRICS_LOG,
+)
+from lossguard.common.rundir.supervisor_file import pid_alive
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.report import marks
 from lossguard.monitor.report.history import AlertSpan, HistoryError, monitor_history
-from lossguard.monitor.report.jsonl import read_jsonl
 from lossguard.monitor.report.marks import number
 
-METRICS_LOG = "metrics.jsonl"
-EVENTS_LOG = "events.jsonl"
 RUN_RECORDS = (METRICS_LOG, EVENTS_LOG, AGENT_FILE)
 """A folder with none of these is not a run directory."""
 
@@ -139,7 +144,7 @@ def read_run(run_dir: Path, state_db: Path | None = None) -> RunRecord:
         actions=history.actions if history else (),
         state_db=state_db,
         unreadable={name: count for name, count in unreadable.items() if count},
-        spike_zscore=_spike_zscore(run_dir / "config.yaml"),
+        spike_zscore=_spike_zscore(run_dir / CONFIG_FILE),
     )
 
 

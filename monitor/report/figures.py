@@ -14,7 +14,6 @@ import io
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import matplotlib
 from matplotlib.artist import Artist
@@ -171,15 +170,17 @@ def panel_svg(panel: Panel, run: RunRecord) -> str:
     return text[text.index("<svg") :]
 
 
-def overview_png(run: RunRecord, path: Path) -> None:
-    """Every panel stacked in one PNG at ``path``, titled with the run and how it ended."""
+def overview_png(run: RunRecord) -> bytes:
+    """Every panel stacked in one PNG, titled with the run and how it ended."""
     width, height = PANEL_SIZE
     fig = Figure(figsize=(width, height * len(PANELS) + 0.4), layout="constrained")
     fig.suptitle(f"lossguard run {run.run_id}: {run.outcome}", fontsize=12)
     for panel, ax in zip(PANELS, fig.subplots(len(PANELS), 1), strict=True):
         ax.set_title(panel.title, fontsize=10, loc="left")
         _draw(panel, ax, run)
-    fig.savefig(path, format="png", dpi=PNG_DPI, metadata={"Software": None})
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=PNG_DPI, metadata={"Software": None})
+    return buffer.getvalue()
 
 
 def _draw(panel: Panel, ax: Axes, run: RunRecord) -> None:

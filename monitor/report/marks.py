@@ -8,8 +8,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lossguard.agent.checkpoint.meta import CheckpointMeta
-from lossguard.agent.checkpoint.targets import is_superseded, ordered
+from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.rundir.events import (
+    CHECKPOINT,
+    COMMAND,
+    CRASH,
+    DETECTIONS,
+    NONFINITE,
+    RESUMED,
+    ROLLBACK,
+)
+from lossguard.common.rundir.targets import is_superseded, ordered
 
 READ_ONLY_COMMANDS = ("status", "checkpoints")
 """Commands that change nothing: not marked."""
@@ -85,7 +94,7 @@ def spikes(events: Sequence[dict[str, Any]]) -> list[Spike]:
     """The ``spike`` and ``nonfinite`` events, at the step their diagnosis names."""
     found = []
     for event in events:
-        if event.get("event") not in ("spike", "nonfinite"):
+        if event.get("event") not in DETECTIONS:
             continue
         diagnosis = event.get("diagnosis")
         seen = integer(diagnosis.get("step")) if isinstance(diagnosis, dict) else None
@@ -96,7 +105,7 @@ def spikes(events: Sequence[dict[str, Any]]) -> list[Spike]:
             Spike(
                 step=step,
                 signal=str(event.get("signal", "?")),
-                nonfinite=event["event"] == "nonfinite",
+                nonfinite=event["event"] == NONFINITE,
                 zscore=number(event.get("zscore")),
             )
         )
@@ -111,7 +120,7 @@ def restores(
     found = []
     for event in events:
         kind, time = event.get("event"), number(event.get("time"))
-        if kind == "rollback":
+        if kind == ROLLBACK:
             to_step = integer(event.get("to_step"))
             if to_step is not None:
                 found.append(
@@ -123,7 +132,7 @@ def restores(
                         time,
                     )
                 )
-        elif kind == "resumed":
+        elif kind == RESUMED:
             to_step = integer(event.get("step"))
             if to_step is not None:
                 before = [step for at, step in logged if time is None or at < time]
@@ -141,7 +150,7 @@ def checkpoints(
     metas = {meta.name: meta for meta in on_disk if not is_superseded(meta)}
     good = ordered(list(on_disk), "last_good")
     last_good = good[0].name if good else None
-    saves = [e for e in events if e.get("event") == "checkpoint" and isinstance(e.get("name"), str)]
+    saves = [e for e in events if e.get("event") == CHECKPOINT and isinstance(e.get("name"), str)]
     last_save = {e["name"]: i for i, e in enumerate(saves)}
     found = []
     for i, event in enumerate(saves):
@@ -175,7 +184,7 @@ def commands(events: Sequence[dict[str, Any]]) -> list[Command]:
     found = []
     for event in events:
         cmd = event.get("cmd")
-        if event.get("event") != "command" or not isinstance(cmd, str):
+        if event.get("event") != COMMAND or not isinstance(cmd, str):
             continue
         if cmd in READ_ONLY_COMMANDS:
             continue
@@ -197,7 +206,7 @@ def crashes(events: Sequence[dict[str, Any]]) -> list[Crash]:
     return [
         Crash(integer(e.get("step")), number(e.get("time")), str(e.get("exit", "?")))
         for e in events
-        if e.get("event") == "crash"
+        if e.get("event") == CRASH
     ]
 
 

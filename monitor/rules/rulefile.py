@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from lossguard.common.config import parse_duration
 from lossguard.monitor.promql import (
     LOOKBACK_MS,
     METRIC_NAME,
@@ -24,7 +25,6 @@ from lossguard.monitor.promql import (
     UnsupportedError,
     parse,
 )
-from lossguard.monitor.promql.literals import parse_duration
 from lossguard.monitor.promql.nodes import MatrixSelector, VectorSelector, walk
 from lossguard.monitor.rules.templating import TemplateError, check_template
 

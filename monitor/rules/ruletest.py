@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from lossguard.common.config import parse_duration
 from lossguard.monitor.promql import (
     Labels,
     MemoryStorage,
@@ -28,7 +29,6 @@ from lossguard.monitor.promql import (
     make_labels,
     parse_series,
 )
-from lossguard.monitor.promql.literals import parse_duration
 from lossguard.monitor.rules.rulefile import AlertingRule, RuleError, load_rule_files
 from lossguard.monitor.rules.ruleset import RuleSet
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo
-from lossguard.common.supervisor_file import SUPERVISOR_FILE, SupervisorInfo
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.names import AGENT_FILE, SUPERVISOR_FILE
+from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from lossguard.monitor.sources.liveness import DeadRun, dead_run
 
 log = logging.getLogger(__name__)

@@ -9,17 +9,15 @@ A Prometheus ``file_sd_configs`` entry on that file (with ``honor_labels: true``
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from lossguard.common.rundir.files import write_atomically
 from lossguard.monitor.sources.discovery import SUPERVISOR_JOB, Discovery, discover, instance_of
 
 log = logging.getLogger(__name__)
@@ -54,23 +52,6 @@ def file_sd_groups(found: Discovery, *, job: str = AGENT_JOB) -> list[dict[str, 
     return [groups[key] for key in sorted(groups)]
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename (readers never see half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)  # Prometheus may run as another user
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 class FileSdWriter:
     """Looks at ``runs_root`` every ``interval_s`` and rewrites ``path`` when the targets
     changed (and once at start, so the file exists even with no runs: ``[]``)."""
@@ -100,7 +81,8 @@ class FileSdWriter:
         text = json.dumps(file_sd_groups(found, job=self.job), indent=2, sort_keys=True) + "\n"
         if text == self._written and self.path.exists():
             return False
-        write_atomically(self.path, text)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.path, text, mode=0o644)  # Prometheus may run as another user
         self._written = text
         log.info("file_sd: %d targets written to %s", text.count('"targets"'), self.path)
         return True

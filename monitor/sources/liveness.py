@@ -13,11 +13,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, list_checkpoints
-from lossguard.agent.checkpoint.targets import ordered
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo
-from lossguard.common.metrics_log import LastLogged, last_logged
-from lossguard.common.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+from lossguard.common.rundir.agent_file import AgentInfo
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.metrics_log import LastLogged, last_logged
+from lossguard.common.rundir.names import AGENT_FILE, CHECKPOINT_DIR
+from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+from lossguard.common.rundir.targets import ordered
 
 RUN_EXITED = "lossguard_run_exited_timestamp_seconds"
 LAST_STEP_LABEL = "last_step"

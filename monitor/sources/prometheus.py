@@ -11,7 +11,7 @@ import requests
 from lossguard.monitor.promql import Sample, Value, make_labels
 from lossguard.monitor.sources import SourceError, TargetStatus
 from lossguard.monitor.sources.discovery import instance_of, redact_url
-from lossguard.monitor.sources.scrape import one_line, request_error
+from lossguard.monitor.sources.scrape import printable_line, request_error
 
 
 class PrometheusSource:
@@ -67,11 +67,11 @@ class PrometheusSource:
             raise SourceError(f"{where}: HTTP {response.status_code}, not a Prometheus API reply")
         if body.get("status") != "success":
             reason = f"{body.get('errorType', 'error')}: {body.get('error', 'no reason given')}"
-            raise SourceError(f"{where}: {one_line(reason, limit=500)}")
+            raise SourceError(f"{where}: {printable_line(reason, limit=500)}")
         try:
             return _value(body["data"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise SourceError(f"{where}: unexpected reply ({one_line(str(exc))})") from None
+            raise SourceError(f"{where}: unexpected reply ({printable_line(str(exc))})") from None
 
     def _record(self, up: bool, error: str | None, started: float) -> None:
         self._status = TargetStatus(

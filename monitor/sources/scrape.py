@@ -64,7 +64,7 @@ class ScrapeError(Exception):
     """Why one scrape failed, in one line."""
 
 
-def one_line(text: str, limit: int = 200) -> str:
+def printable_line(text: str, limit: int = 200) -> str:
     """``text`` on one line of printable characters, cut at ``limit``."""
     flat = " ".join(text.split())
     flat = "".join(c if c.isprintable() else "?" for c in flat)
@@ -80,7 +80,7 @@ def request_error(exc: requests.RequestException, timeout_s: float) -> str:
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror[:1].lower() + cause.strerror[1:]
         cause = cause.__cause__ or cause.__context__
-    return one_line(str(exc))
+    return printable_line(str(exc))
 
 
 def with_target_labels(name: str, exposed: Mapping[str, str], target: Mapping[str, str]) -> Labels:
@@ -142,7 +142,9 @@ class ExpositionParser:
         try:
             samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
         except (ValueError, IndexError) as exc:
-            raise ScrapeError(f"parse error: {one_line(str(exc)) or 'invalid line'}") from None
+            raise ScrapeError(
+                f"parse error: {printable_line(str(exc)) or 'invalid line'}"
+            ) from None
         keys: list[Labels | None] = []
         kept: dict[Labels, float] = {}
         for sample in samples:

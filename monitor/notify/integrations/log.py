@@ -8,7 +8,7 @@ import logging
 import requests
 
 from lossguard.monitor.notify.integrations.http import DELIVERED, Outcome
-from lossguard.monitor.notify.links import one_line, subject, value_display
+from lossguard.monitor.notify.links import single_spaced, subject, value_display
 from lossguard.monitor.notify.model import AlertInfo, Notification
 
 log = logging.getLogger("lossguard.monitor.notify")
@@ -56,4 +56,4 @@ def log_line(alert: AlertInfo, notification_id: int, notification: Notification)
         text += f" Done: {'; '.join(alert.actions)}."
     if alert.next_steps and alert.status == "firing":
         text += f" Next: {'; '.join(alert.next_steps)}."
-    return one_line(f"{text} (notification #{notification_id} to {notification.receiver})")
+    return single_spaced(f"{text} (notification #{notification_id} to {notification.receiver})")

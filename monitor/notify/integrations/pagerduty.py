@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from lossguard.monitor.notify.integrations.http import HttpIntegration
-from lossguard.monitor.notify.links import Links, clip, is_web_url, iso_time, one_line, subject
+from lossguard.monitor.notify.links import Links, clip, is_web_url, iso_time, single_spaced, subject
 from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo, Notification
 from lossguard.monitor.state import value_text
 
@@ -107,7 +107,7 @@ def summary(alert: AlertInfo) -> str:
     text = f"[{alert.labels.get('severity', 'none')}] {subject(alert)}"
     if alert.annotations.get("summary"):
         text += f": {alert.annotations['summary']}"
-    return clip(one_line(text), MAX_SUMMARY)
+    return clip(single_spaced(text), MAX_SUMMARY)
 
 
 def severity(label: str) -> str:

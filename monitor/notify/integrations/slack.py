@@ -23,7 +23,7 @@ from lossguard.monitor.notify.links import (
     clip,
     is_web_url,
     iso_time,
-    one_line,
+    single_spaced,
     value_display,
 )
 from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo, Notification, Status
@@ -100,7 +100,7 @@ def fallback_text(notification: Notification) -> str:
     summary = notification.common_annotations.get("summary")
     if summary:
         text += f": {summary}"
-    return clip(escape(one_line(text)), MAX_TEXT)
+    return clip(escape(single_spaced(text)), MAX_TEXT)
 
 
 def escape(text: str) -> str:

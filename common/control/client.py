@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from lossguard.common.protocol import MAX_LINE_BYTES, ErrorCode, encode, make_request
+from lossguard.common.control.protocol import MAX_LINE_BYTES, ErrorCode, encode, make_request
 
 MAX_REPLY_BYTES = 16 * MAX_LINE_BYTES
 _RECV_BYTES = 64 * 1024

@@ -1,11 +1,14 @@
-"""Durable file operations: writes that are fsynced before they return, directory fsync,
-sha256 of a file, removal of a file or folder."""
+"""Durable file operations: the one atomic replace of a file (``write_atomically``), writes
+that are fsynced before they return, directory fsync, sha256 of a file, removal of a file or
+folder."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +38,26 @@ def write_json_synced(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON to ``path`` and fsync it."""
     blob = (json.dumps(data, indent=2) + "\n").encode("utf-8")
     write_synced(path, lambda fh: fh.write(blob))
+
+
+def write_atomically(path: Path, data: str | bytes, *, mode: int | None = None) -> None:
+    """Replace ``path`` with ``data`` (text as UTF-8) so that readers see the old or the new
+    file, whole, and the new one survives a crash once this returns: a temporary file of its
+    own beside ``path`` (so concurrent writers never share one), fsynced, renamed over ``path``,
+    then the folder fsynced. ``mode``: the file's permissions (default: as ``open`` makes
+    them). A failed write leaves ``path`` as it was and no temporary file."""
+    blob = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write_synced(tmp, lambda fh: fh.write(blob))
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

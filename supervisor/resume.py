@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, CheckpointMeta, list_checkpoints
-from lossguard.agent.checkpoint.targets import ordered
-from lossguard.common.metrics_log import last_logged
+from lossguard.common.rundir.checkpoints import CheckpointMeta, list_checkpoints
+from lossguard.common.rundir.metrics_log import last_logged
+from lossguard.common.rundir.names import CHECKPOINT_DIR
+from lossguard.common.rundir.targets import ordered
 
 
 def step_reached(run_dir: Path) -> int | None:

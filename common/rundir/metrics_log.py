@@ -3,13 +3,12 @@ the monitor's account of a dead run (and anything else that must know how far a 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.common.jsonl import json_object
+from lossguard.common.rundir.jsonl import read_tail
+from lossguard.common.rundir.names import METRICS_LOG
 
-METRICS_LOG = "metrics.jsonl"
 TAIL_BYTES = 64 * 1024
 
 
@@ -25,18 +24,9 @@ def last_logged(run_dir: Path) -> LastLogged:
     """The step of the last ``train`` record and the time of the last record in
     ``run_dir/metrics.jsonl``, read from its last 64 KiB; a line torn by a crash is skipped, a
     missing file is nothing logged."""
-    try:
-        with open(run_dir / METRICS_LOG, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - TAIL_BYTES))
-            lines = fh.read().splitlines()
-    except OSError:
-        return LastLogged(None, None)
     step: int | None = None
     time: float | None = None
-    for line in reversed(lines):
-        record = json_object(line)
-        if record is None:
-            continue  # torn by the crash, or cut by the tail
+    for record in reversed(read_tail(run_dir / METRICS_LOG, TAIL_BYTES)):
         if time is None and _number(record.get("time")):
             time = float(record["time"])
         if step is None and record.get("kind") == "train" and _integer(record.get("step")):

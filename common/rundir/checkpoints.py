@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 MAX_STEP = 10**8 - 1
-NAME_RE = re.compile(r"^step_[0-9]{8}$")
+NAME_RE = re.compile(r"^step_([0-9]{8})$")
+"""A checkpoint's folder name; the group is its step."""
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 log = logging.getLogger("lossguard.agent.checkpoint")
@@ -35,7 +35,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing or unusable; the one-line message names it and the problem."""
 
 
-def one_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     """``exc`` for a one-line message: its type and the first line of its text, cut short."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
@@ -146,7 +146,7 @@ def read_meta(folder: Path) -> CheckpointMeta:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {folder.name}: {META_FILE} is missing") from None
     except (OSError, ValueError) as exc:  # JSON and UTF-8 decoding errors are ValueErrors
-        raise CheckpointError(f"checkpoint {folder.name}: {one_line(exc)}") from None
+        raise CheckpointError(f"checkpoint {folder.name}: {error_line(exc)}") from None
     if meta.name != folder.name:
         raise CheckpointError(f"checkpoint {folder.name}: {META_FILE} names {meta.name}")
     return meta

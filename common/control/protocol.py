@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -21,11 +20,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from lossguard.common.config import describe_validation_error
+from lossguard.common.rundir.checkpoints import NAME_RE
+from lossguard.common.rundir.targets import MEMORY_PREFIX, NAMED_TARGETS
 
 PROTOCOL_VERSION = 1
 MAX_LINE_BYTES = 64 * 1024
-SOCKET_NAME = "control.sock"
-NAMED_TARGETS = ("last_good", "best", "latest")
 MAX_ID_LENGTH = 128
 
 
@@ -51,7 +50,6 @@ class ProtocolError(Exception):
 
 
 Target = int | Literal["last_good", "best", "latest"]
-CHECKPOINT_NAME_RE = re.compile(r"^(?:memory/)?step_([0-9]{8})$")
 
 
 def parse_target(value: Any) -> Target:
@@ -65,10 +63,10 @@ def parse_target(value: Any) -> Target:
             return value  # type: ignore[return-value]
         if value.isdigit():
             return int(value)
-        if named := CHECKPOINT_NAME_RE.fullmatch(value):
+        if named := NAME_RE.fullmatch(value.removeprefix(MEMORY_PREFIX)):
             return int(named.group(1))
     raise ValueError(
-        f"must be one of {', '.join(NAMED_TARGETS)}, a step number or a checkpoint name "
+        f"must be one of {', '.join(reversed(NAMED_TARGETS))}, a step number or a checkpoint name "
         f"(step_00000150), never a path, not {value!r}"
     )
 

@@ -11,8 +11,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-AGENT_FILE = "agent.json"
-
 RunExit = Literal["completed", "stopped", "failed"]
 """How a run ended: completed its steps, stopped on purpose (command or signal), or failed."""
 ENDED_CLEANLY: tuple[RunExit, ...] = ("completed", "stopped")

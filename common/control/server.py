@@ -19,12 +19,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from lossguard.agent.config import ControlConfig
-from lossguard.common.config import ConfigError
-from lossguard.common.protocol import (
+from lossguard.common.control.protocol import (
     COMMAND_ARGS,
     MAX_LINE_BYTES,
-    SOCKET_NAME,
     CommandArgs,
     ErrorCode,
     ProtocolError,
@@ -34,6 +31,7 @@ from lossguard.common.protocol import (
     ok_reply,
     parse_request,
 )
+from lossguard.common.rundir.events import COMMAND
 
 log = logging.getLogger("lossguard.agent.control")
 
@@ -313,41 +311,13 @@ def socket_is_live(path: Path) -> bool:
     return True
 
 
-def serve_control(
-    config: ControlConfig,
-    run_dir: Path,
-    on_reject: RejectHook | None = None,
-    answered: Iterable[PendingCommand] = (),
-) -> ControlServer | None:
-    """Start the control server that ``config`` asks for (None: neither socket nor TCP).
-    A listener that cannot start is a ConfigError that names the key."""
-    if not config.socket and config.tcp is None:
-        return None
-    tcp = None
-    if config.tcp is not None:
-        host, _, port = config.tcp.rpartition(":")
-        tcp = (host, int(port))
-    try:
-        server = ControlServer(
-            socket_path=run_dir / SOCKET_NAME if config.socket else None,
-            tcp=tcp,
-            token=os.environ.get(config.token_env) if tcp else None,
-            on_reject=on_reject,
-            answered=answered,
-        )
-    except ListenError as exc:
-        raise ConfigError(f"control.{exc.endpoint}: {exc}") from None
-    server.start()
-    return server
-
-
 def answered_before(events: Iterable[Mapping[str, Any]]) -> list[PendingCommand]:
     """The commands that earlier processes of this run applied, from their ``command`` audit
     events (written by ``CommandRunner.apply``), with the replies they got: a client that
     repeats one of their ids after a restart gets that reply, and nothing is applied twice."""
     answered = []
     for event in events:
-        if event.get("event") != "command" or "cmd" not in event:
+        if event.get("event") != COMMAND or "cmd" not in event:
             continue  # requests refused before they were queued are not remembered
         request = Request(str(event["id"]), event["cmd"], event.get("args") or {})
         if event["ok"]:

@@ -8,7 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from lossguard.common.catalogue import register_metric
-from lossguard.common.supervisor_file import SupervisorState
+from lossguard.common.rundir.supervisor_file import SupervisorState
 
 PREFIX = "lossguard_supervisor_"
 STATES: tuple[SupervisorState, ...] = ("running", "backoff", "crash_loop", "exited")

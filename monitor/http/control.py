@@ -13,13 +13,20 @@ import logging
 import uuid
 from pathlib import Path
 
-from lossguard.common.control_client import ControlError, ControlTimeout, ControlUnavailable
-from lossguard.common.protocol import ErrorCode, ProtocolError, encode, parse_request
-from lossguard.common.protocol import Request as Command
+from lossguard.common.control.client import ControlError, ControlTimeout, ControlUnavailable
+from lossguard.common.control.protocol import ErrorCode, ProtocolError, encode, parse_request
+from lossguard.common.control.protocol import Request as Command
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
-from lossguard.monitor.api import Request, Response, Route, api_data, api_error, bearer_refusal
+from lossguard.monitor.http.messages import (
+    Request,
+    Response,
+    Route,
+    api_data,
+    api_error,
+    bearer_refusal,
+)
 from lossguard.monitor.runs import read_runs
-from lossguard.monitor.sources.scrape import one_line
+from lossguard.monitor.sources.scrape import printable_line
 
 log = logging.getLogger("lossguard.monitor.api")
 BODY_FIELDS = ("id", "cmd", "args")
@@ -70,7 +77,7 @@ def control_route(
         except (ControlUnavailable, NoEndpoint, OSError) as exc:
             log.warning("control %s: not delivered: %s", command.id, exc)
             return api_error(503, f"not delivered: {exc}", data=answer)
-        log.info("control %s: applied: %s", command.id, one_line(json.dumps(result), 300))
+        log.info("control %s: applied: %s", command.id, printable_line(json.dumps(result), 300))
         return api_data({**answer, "result": result})
 
     return control

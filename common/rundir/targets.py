@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lossguard.agent.checkpoint.meta import CheckpointError, CheckpointMeta
+from lossguard.common.rundir.checkpoints import CheckpointError, CheckpointMeta
 
 NAMED_TARGETS = ("latest", "best", "last_good")
 SUPERSEDED = "superseded"  # meta.extra flag, see CheckpointStore.supersede_after
+MEMORY_PREFIX = "memory/"  # of an in-memory snapshot's name: memory/step_00001200
 IN_MEMORY = "in_memory"  # meta.extra flag of an in-memory snapshot (checkpoint.snapshots)
 
 

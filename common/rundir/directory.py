@@ -10,22 +10,29 @@ import platform
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import yaml
 
-from lossguard.agent.checkpoint.files import fsync_dir
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR
 from lossguard.common import __version__
-from lossguard.common.agent_file import AGENT_FILE, AgentInfo, RunExit
+from lossguard.common.rundir.agent_file import AgentInfo, RunExit
+from lossguard.common.rundir.files import fsync_dir, write_atomically
+from lossguard.common.rundir.jsonl import JsonlLog, read_jsonl
+from lossguard.common.rundir.names import (
+    AGENT_FILE,
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    ENV_FILE,
+    EVENTS_LOG,
+    METRICS_LOG,
+)
 
 RECORDED_PACKAGES = ("torch", "torchao", "numpy", "pydantic", "prometheus-client", "nvidia-ml-py")
-RUN_RECORDS = (CHECKPOINT_DIR, "metrics.jsonl", "events.jsonl", "config.yaml", "env.json")
+RUN_RECORDS = (CHECKPOINT_DIR, METRICS_LOG, EVENTS_LOG, CONFIG_FILE, ENV_FILE)
 """What a run leaves in its directory, beside ``agent.json`` (rewritten by the next run)."""
 
 
@@ -55,16 +62,6 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old or the new file, whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def set_aside(path: Path) -> Path | None:
     """Move the previous run's records (``RUN_RECORDS``) out of the run directory ``path`` into
     a new ``path/overwritten-<local time>/`` and return that folder; None when there was nothing
@@ -86,57 +83,22 @@ def set_aside(path: Path) -> Path | None:
     return aside
 
 
-class JsonlLog:
-    """An append-only JSON-lines file, safe to write from several threads; each line is
-    flushed, so a crash loses at most the line being written."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._file: IO[str] | None = None
-
-    def append(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps(record, allow_nan=True, default=str) + "\n"
-        with self._lock:
-            if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-            self._file.write(line)
-            self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-
-
 class RunDirectory:
     """``runs/<run_id>/``: written by rank 0 only."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.metrics = JsonlLog(self.path / "metrics.jsonl")
-        self.events = JsonlLog(self.path / "events.jsonl")
+        self.metrics = JsonlLog(self.path / METRICS_LOG)
+        self.events = JsonlLog(self.path / EVENTS_LOG)
 
     def read_events(self) -> list[dict[str, Any]]:
         """The audit trail so far; a line torn by a crash is left out."""
-        path = self.path / "events.jsonl"
-        if not path.exists():
-            return []
-        records = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
+        return list(read_jsonl(self.path / EVENTS_LOG).records)
 
     def write_config(self, resolved: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(dict(resolved), sort_keys=False)
-        write_atomically(self.path / "config.yaml", text)
+        write_atomically(self.path / CONFIG_FILE, text)
 
     def write_env(self, device: Mapping[str, Any], world_size: int) -> None:
         env = {
@@ -150,7 +112,7 @@ class RunDirectory:
             "git_commit": git_commit(),
             "argv": sys.argv,
         }
-        write_atomically(self.path / "env.json", json.dumps(env, indent=2) + "\n")
+        write_atomically(self.path / ENV_FILE, json.dumps(env, indent=2) + "\n")
 
     def write_discovery(
         self,

@@ -20,31 +20,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lossguard.agent.control.server import (
+from lossguard.common import __version__
+from lossguard.common.control.protocol import SUPERVISOR_COMMAND_ARGS, ok_reply
+from lossguard.common.control.server import (
     ControlServer,
     ListenError,
     PendingCommand,
     answered_before,
 )
-from lossguard.agent.rundir import RunDirectory, write_atomically
-from lossguard.common import __version__
-from lossguard.common.protocol import SUPERVISOR_COMMAND_ARGS, ok_reply
-from lossguard.common.supervisor_file import (
+from lossguard.common.rundir.directory import RunDirectory
+from lossguard.common.rundir.events import (
+    COMMAND,
+    CRASH,
+    CRASH_LOOP,
+    RESTART,
+    SUPERVISOR_EXIT,
+    SUPERVISOR_START,
+)
+from lossguard.common.rundir.files import write_atomically
+from lossguard.common.rundir.names import SUPERVISOR_FILE, SUPERVISOR_SOCKET
+from lossguard.common.rundir.supervisor_file import (
     RESUME_ENV,
-    SUPERVISOR_FILE,
-    SUPERVISOR_SOCKET,
     SupervisorInfo,
     SupervisorState,
     pid_alive,
 )
-from lossguard.monitor.supervisor.budget import RestartBudget
-from lossguard.monitor.supervisor.metrics import SupervisorMetrics
-from lossguard.monitor.supervisor.process import (
+from lossguard.supervisor.budget import RestartBudget
+from lossguard.supervisor.metrics import SupervisorMetrics
+from lossguard.supervisor.process import (
     TrainingProcess,
     describe_status,
     end_leftover_group,
 )
-from lossguard.monitor.supervisor.resume import ResumePlanner, step_reached
+from lossguard.supervisor.resume import ResumePlanner, step_reached
 
 log = logging.getLogger("lossguard.supervisor")
 POLL_S = 0.2
@@ -101,7 +109,7 @@ class Supervisor:
         self._end_leftovers()
         self._start_services()
         self._install_signals()
-        self.event("supervisor_start", pid=os.getpid(), command=list(self.options.command))
+        self.event(SUPERVISOR_START, pid=os.getpid(), command=list(self.options.command))
         try:
             return self._loop()
         finally:
@@ -116,7 +124,7 @@ class Supervisor:
             if reason != "start":
                 self.metrics.restarted(reason)
                 self.event(
-                    "restart",
+                    RESTART,
                     reason=reason,
                     resume_from=resume.name if resume else None,
                     restarts_remaining=self.budget.remaining(time.time()),
@@ -167,7 +175,7 @@ class Supervisor:
         self.metrics.crashed(exit, step, resume.name if resume else None)
         self.metrics.set_remaining(self.budget.remaining(time.time()))
         self.event(
-            "crash",
+            CRASH,
             exit=exit,
             exit_status=status,
             step=step,
@@ -186,7 +194,7 @@ class Supervisor:
         """The budget is spent: stay up (the page is the ``state`` series) until a human asks
         for a restart or stops the supervisor. Whether to restart."""
         opts = self.options
-        self.event("crash_loop", max_restarts=opts.max_restarts, window_s=opts.window_s)
+        self.event(CRASH_LOOP, max_restarts=opts.max_restarts, window_s=opts.window_s)
         log.error(
             "crash loop: %d restarts within %.0f s; not restarting (restart with: "
             "lossguard-supervise restart --run-dir %s)",
@@ -220,7 +228,7 @@ class Supervisor:
     def _finish(self, status: int) -> int:
         how = describe_status(status)
         why = f"stop signal {signal.Signals(self.stop_signal).name}, " if self.stop_signal else ""
-        self.event("supervisor_exit", exit=how, stop_signal=bool(self.stop_signal))
+        self.event(SUPERVISOR_EXIT, exit=how, stop_signal=bool(self.stop_signal))
         log.info("training command ended (%s%s); not restarting", why, how)
         self._set_state("exited", child_pid=None)
         return status if status >= 0 else 128 - status
@@ -264,7 +272,7 @@ class Supervisor:
         and answer it."""
         request = pending.request
         self.event(
-            "command", id=request.id, cmd=request.cmd, args=request.args, ok=True, result=result
+            COMMAND, id=request.id, cmd=request.cmd, args=request.args, ok=True, result=result
         )
         pending.resolve(ok_reply(request.id, result))
 

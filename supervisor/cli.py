@@ -16,20 +16,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lossguard.common.cli import EXIT_FAILED, EXIT_OK
+from lossguard.common.config import seconds
 from lossguard.common.console import setup_logging
-from lossguard.common.control_client import (
+from lossguard.common.control.client import (
     ControlClient,
     ControlError,
     ControlTimeout,
     ControlUnavailable,
 )
-from lossguard.common.supervisor_file import SUPERVISOR_SOCKET
-from lossguard.monitor.supervisor.supervisor import (
+from lossguard.common.rundir.names import SUPERVISOR_SOCKET
+from lossguard.supervisor.supervisor import (
     Supervisor,
     SupervisorError,
     SupervisorOptions,
 )
-from lossguard.monitor.validation import seconds
 
 
 def _duration(text: str) -> float:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-SUPERVISOR_FILE = "supervisor.json"
-SUPERVISOR_SOCKET = "supervisor.sock"
+from lossguard.common.rundir.names import SUPERVISOR_FILE
+
 RESUME_ENV = "LOSSGUARD_RESUME"
 """Set by the supervisor for a restart: the checkpoint (a name such as ``step_00000150``) that
 the training command resumes from. ``lossguard-agent run`` and ``Guard`` honour it."""

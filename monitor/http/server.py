@@ -1,6 +1,6 @@
 """The monitor's HTTP server (standard library ``http.server``, one daemon thread): ``/metrics``,
 ``/healthz``, ``/api/status``, Alertmanager's webhook ``POST /api/v1/alertmanager`` and the
-read API of :mod:`lossguard.monitor.http_api`. Each endpoint is one entry of a route table:
+read API of :mod:`lossguard.monitor.http.read_api`. Each endpoint is one entry of a table:
 ``(method, path)`` -> a function from :class:`Request` to :class:`Response`; a path may hold
 ``{name}`` segments, handed to the route as ``Request.params``.
 
@@ -10,205 +10,27 @@ Under ``/api/`` errors are JSON, shaped as Prometheus's HTTP API shapes them:
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 import re
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 from urllib.parse import parse_qs, unquote
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from lossguard.common.config import ConfigError
-from lossguard.common.protocol import encode
-from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_webhook
-from lossguard.monitor.actions.policy import ACTION_LABEL
+from lossguard.monitor.http.messages import Request, Response, Route, Routes, error_for
+from lossguard.monitor.http.ops import Health, OnAlerts, Status, monitor_routes
 
 log = logging.getLogger("lossguard.monitor.api")
 
-Health = Callable[[], tuple[bool, dict[str, object]]]
-Status = Callable[[], dict[str, object]]
-OnAlerts = Callable[[list[IncomingAlert]], None]
 
-ALERTMANAGER_PATH = "/api/v1/alertmanager"
 MAX_BODY_BYTES = 1 << 20  # a webhook of a few hundred alerts; Alertmanager's max_alerts caps it
 _DRAIN_LIMIT = 16 << 20  # read (and drop) a too large body up to this, so the client hears 413
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-API_PREFIX = "/api/"
-ERROR_TYPES = {
-    400: "bad_data",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    411: "bad_data",
-    413: "bad_data",
-    415: "bad_data",
-    422: "execution",
-    500: "internal",
-    503: "unavailable",
-}
-"""The ``errorType`` of each status of an API error (Prometheus's names where it has one)."""
-
-
-@dataclass(frozen=True)
-class Request:
-    method: str
-    path: str  # without the query string
-    headers: Mapping[str, str] = field(default_factory=dict)  # names in lower case
-    body: bytes = b""
-    query: Mapping[str, list[str]] = field(default_factory=dict)  # decoded, blanks kept
-    params: Mapping[str, str] = field(default_factory=dict)  # the path's {name} segments
-    client: str = ""  # the peer's address
-
-
-@dataclass(frozen=True)
-class Response:
-    status: int
-    content_type: str
-    body: bytes
-    headers: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def json(
-        cls, payload: object, status: int = 200, headers: tuple[tuple[str, str], ...] = ()
-    ) -> Response:
-        return cls(status, "application/json", json.dumps(payload).encode() + b"\n", headers)
-
-    @classmethod
-    def text(cls, message: str, status: int, headers: tuple[tuple[str, str], ...] = ()) -> Response:
-        return cls(status, "text/plain", f"{message}\n".encode(), headers)
-
-
-Route = Callable[[Request], Response]
-Routes = Mapping[tuple[str, str], Route]
-
-
-def api_data(data: object) -> Response:
-    """A successful API answer; non-finite numbers become null (JSON has none)."""
-    return Response(200, "application/json", encode({"status": "success", "data": data}))
-
-
-def api_error(
-    status: int,
-    message: str,
-    *,
-    error_type: str | None = None,
-    data: object = None,
-    headers: tuple[tuple[str, str], ...] = (),
-) -> Response:
-    """An API error: ``errorType`` from the status unless given, ``error`` one line."""
-    payload: dict[str, object] = {
-        "status": "error",
-        "errorType": error_type or ERROR_TYPES.get(status, "internal"),
-        "error": message,
-    }
-    if data is not None:
-        payload["data"] = data
-    return Response(status, "application/json", encode(payload), headers)
-
-
-def error_for(
-    path: str, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()
-) -> Response:
-    """An error in the form the path's clients read: JSON under ``/api/``, else text."""
-    if path.startswith(API_PREFIX):
-        return api_error(status, message, headers=headers)
-    return Response.text(message, status, headers)
-
-
-def bearer_refusal(
-    headers: Mapping[str, str], expected: str
-) -> tuple[int, str, tuple[tuple[str, str], ...]] | None:
-    """Why a request without ``Authorization: Bearer <expected>`` is refused: ``(status,
-    message, headers)``, 401 without a bearer token and 403 with a wrong one; None: it has it."""
-    scheme, _, given = headers.get("authorization", "").strip().partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        challenge = (("WWW-Authenticate", 'Bearer realm="lossguard-monitor"'),)
-        return 401, "unauthorized: send Authorization: Bearer <token>", challenge
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        return 403, "forbidden: wrong token", ()
-    return None
-
-
-def monitor_routes(
-    registry: CollectorRegistry,
-    health: Health,
-    status: Status,
-    *,
-    on_alerts: OnAlerts | None = None,
-    token: str | None = None,
-    extra: Routes | None = None,
-) -> Routes:
-    """The monitor's endpoints, and ``extra``; ``status`` is what ``lossguard-monitor status``
-    shows of the running daemon. With ``on_alerts``, ``POST /api/v1/alertmanager`` takes
-    Alertmanager's webhook (payload v4) and hands its alerts to it; with ``token``, only with
-    ``Authorization: Bearer <token>``."""
-
-    def metrics(request: Request) -> Response:
-        return Response(200, CONTENT_TYPE_LATEST, generate_latest(registry))
-
-    def healthz(request: Request) -> Response:
-        healthy, detail = health()
-        return Response.json({"healthy": healthy, **detail}, 200 if healthy else 503)
-
-    def api_status(request: Request) -> Response:
-        return Response.json(status())
-
-    routes: dict[tuple[str, str], Route] = {
-        ("GET", "/metrics"): metrics,
-        ("GET", "/healthz"): healthz,
-        ("GET", "/api/status"): api_status,
-    }
-    if on_alerts is not None:
-        routes[("POST", ALERTMANAGER_PATH)] = alertmanager_route(on_alerts, token)
-    routes.update(extra or {})
-    return routes
-
-
-def alertmanager_route(on_alerts: OnAlerts, token: str | None) -> Route:
-    """``POST /api/v1/alertmanager``: 401/403 without the right bearer token (when one is
-    set), 415 unless JSON, 400 naming what is wrong with the payload, else 200 with
-    ``{"received": alerts, "actionable": firing alerts with an action label}``."""
-
-    def alertmanager(request: Request) -> Response:
-        refusal = None if token is None else bearer_refusal(request.headers, token)
-        if refusal is not None:
-            status, message, headers = refusal
-            if status == 403:
-                log.warning("alertmanager webhook: a request with a wrong token was refused")
-            return Response.text(message, status, headers)
-        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if media_type != "application/json":
-            return Response.text(
-                f"unsupported media type {media_type or 'none'!r}: send application/json", 415
-            )
-        try:
-            alerts = parse_webhook(request.body)
-        except IntakeError as exc:
-            log.warning("alertmanager webhook: refused a payload: %s", exc)
-            return Response.text(f"bad payload: {exc}", 400)
-        actionable = sum(1 for a in alerts if a.status == "firing" and ACTION_LABEL in a.labels)
-        log.info(
-            "alertmanager webhook: %d alerts (%d firing with an action label): %s",
-            len(alerts),
-            actionable,
-            ", ".join(f"{a.labels.get('alertname', '?')} {a.status}" for a in alerts[:5])
-            + (", ..." if len(alerts) > 5 else ""),
-        )
-        try:
-            on_alerts(alerts)
-        except Exception:  # Alertmanager retries a 5xx
-            log.exception("alertmanager webhook: taking the alerts failed")
-            return Response.text("internal error: the alerts were not taken", 500)
-        return Response.json({"received": len(alerts), "actionable": actionable})
-
-    return alertmanager
 
 
 class MonitorServer:

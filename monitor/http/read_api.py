@@ -1,22 +1,23 @@
 """The monitor's HTTP API for scripts and dashboards (docs/monitor.md, "HTTP API"): read-only
 views of the runs, their checkpoints, the alerts and the actions, under ``/api/v1/``; the one
 verb that changes anything, ``POST /api/v1/runs/{run_id}/control``, is in
-:mod:`lossguard.monitor.http_control`."""
+:mod:`lossguard.monitor.http.control`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from lossguard.agent.checkpoint.meta import CHECKPOINT_DIR, list_checkpoints
-from lossguard.agent.checkpoint.targets import NAMED_TARGETS, is_superseded, ordered
+from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.names import CHECKPOINT_DIR
+from lossguard.common.rundir.targets import NAMED_TARGETS, is_superseded, ordered
 from lossguard.monitor.actions.endpoints import Endpoints
 from lossguard.monitor.actions.store import ActionStore
-from lossguard.monitor.api import Request, Response, Routes, api_data, api_error
-from lossguard.monitor.http_control import control_route
+from lossguard.monitor.http.control import control_route
+from lossguard.monitor.http.messages import Request, Response, Routes, api_data, api_error
 from lossguard.monitor.runs import RunsView, read_runs
 from lossguard.monitor.state import StateStore
-from lossguard.monitor.status import action_json, active_alerts
+from lossguard.monitor.views import action_json, active_alerts
 
 RUNS_PATH = "/api/v1/runs"
 DEFAULT_LIMIT = 100

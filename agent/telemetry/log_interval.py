@@ -1,0 +1,206 @@
+"""The end of a log interval, on the host: the one read of what the Guard added up on the device,
+the ``train`` record, and the audit of the spike episodes and non-finite values found since the
+last read, each with its diagnosis."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import astuple
+from typing import Any
+
+import torch
+
+from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_stats
+from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
+from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
+from lossguard.agent.telemetry.lr_watch import LrWatch
+from lossguard.common.rundir.events import NONFINITE
+
+
+class IntervalLog:
+    """What the Guard reads and records at the end of each log interval.
+
+    ``episode``: the diagnosis of the latest spike episode or non-finite value since the last
+    restore (``telemetry.diagnosis``): the ``status`` command's ``episode``."""
+
+    def __init__(
+        self,
+        interval: Interval,
+        *,
+        telemetry: Telemetry | None,
+        world_size: int,
+        optimizer: torch.optim.Optimizer | None,
+        scaler: torch.amp.GradScaler | None,
+        state: Mapping[str, object],
+        fp16_unscaled: bool,
+        event: Callable[..., None],
+        lr_watch: LrWatch | None = None,
+    ) -> None:
+        self.interval = interval
+        self.telemetry = telemetry
+        self.world_size = world_size
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.state = state
+        self.fp16_unscaled = fp16_unscaled
+        self.event = event
+        self.detections = DetectionAudit()
+        self.episode: dict[str, Any] | None = None
+        self.lr_before: float | None = None  # at the end of the last log interval
+        self.loss_scale_before: float | None = None
+        self.fp8_before: float | None = None  # worst FP8 overflow ratio at the last interval
+        self.lr_watch = lr_watch  # each step's lr against the schedule
+        self.start: tuple[int, int | None] = (0, None)  # (step, data position)
+        self.logged_healthy: bool | None = True  # as of the last interval (None: unknown)
+
+    def learning_rate(self) -> float | None:
+        if self.optimizer is None:
+            return None
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def data_position(self) -> int | None:
+        position = getattr(self.state.get("data"), "position", None)
+        return None if position is None else int(position)
+
+    def end(self, step: int, tokens_before: int) -> dict[str, Any] | None:
+        """The ``train`` record of the interval ending at ``step`` (None: no step since the
+        last one), after the one host read and the audit of new detections. ``tokens``: the
+        run's total, ``tokens_before`` plus this interval's."""
+        if self.interval.steps == 0:
+            return None
+        stats = self.telemetry.stats() if self.telemetry is not None else None
+        totals = self.interval.read(stats)  # the one sync
+        elapsed = totals.elapsed
+        record: dict[str, Any] = {
+            "kind": "train",
+            "step": step,
+            "time": time.time(),
+            "train_loss": totals.loss_sum / (totals.steps * self.world_size),
+            "grad_norm": totals.grad_norm_last / self.world_size,
+            "grad_norm_max": totals.grad_norm_max / self.world_size,
+            "lr": self.learning_rate(),
+            "tokens": tokens_before + int(totals.tokens),
+            "tokens_per_second": totals.tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_seconds": elapsed / totals.steps,
+        }
+        position = self.data_position()
+        if position is not None:
+            record["data_position"] = position
+        if self.scaler is not None:
+            record["loss_scale"] = float(self.scaler.get_scale())
+        record["skipped_steps"] = int(totals.skipped / self.world_size)
+        record["skipped_spikes"] = int(totals.skipped_spikes / self.world_size)
+        active = False
+        if self.telemetry is not None:
+            by_signal = self.telemetry.publish(
+                record, totals.stats, float(totals.local_tokens), elapsed
+            )
+            self.audit(by_signal, totals, step)
+            active = any(s["active"] for s in by_signal.values())
+            if self.telemetry.fp8_overflow is not None:
+                self.fp8_before = self.telemetry.fp8_overflow[1]
+        self.logged_healthy = math.isfinite(record["train_loss"]) and not active
+        self.interval.reset()
+        self.lr_before = record["lr"]
+        self.loss_scale_before = record.get("loss_scale")
+        self.start = (step, position)
+        return record
+
+    def audit(self, stats: SignalStats, totals: IntervalTotals, step: int) -> None:
+        """Audit the spike episodes and non-finite values new since the last read, each with
+        its diagnosis; the most telling one of them becomes ``episode``."""
+        found = self.detections.new(stats)
+        if not found or self.telemetry is None:
+            return
+        context = self._context(totals, step)
+        candidates = []
+        for event, fields in found:
+            signal_name, nonfinite = fields["signal"], event == NONFINITE
+            diagnosis = diagnose(signal_name, nonfinite=nonfinite, stats=stats, context=context)
+            self.event(event, **fields, diagnosis=diagnosis)
+            if nonfinite and not self.telemetry.detectors[signal_name].nonfinite_opens_episode:
+                continue  # routine (fp16 GradScaler overflow): no episode
+            rank = (diagnosis["step"], nonfinite, signal_name == "loss")
+            candidates.append((rank, diagnosis))
+        if candidates:
+            self.episode = max(candidates, key=lambda item: item[0])[1]
+
+    def _context(self, totals: IntervalTotals, step: int) -> IntervalContext:
+        """What a diagnosis needs beside the detector statistics (at detections only: the
+        loss scale is one more host read)."""
+        grad_norm_max = totals.grad_norm_max / self.world_size
+        fp8 = self.telemetry.fp8_overflow if self.telemetry is not None else None
+        departure = self.lr_watch.departure if self.lr_watch is not None else None
+        start_step, start_position = self.start
+        return IntervalContext(
+            step=step,
+            lr=self.learning_rate(),
+            lr_before=self.lr_before,
+            loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
+            loss_scale_before=self.loss_scale_before,
+            fp16_unscaled=self.fp16_unscaled,
+            grad_norm_max=grad_norm_max if math.isfinite(grad_norm_max) else None,
+            fp8_overflow=fp8,
+            fp8_overflow_before=self.fp8_before,
+            scheduled=self.lr_watch is not None,
+            lr_departure=astuple(departure) if departure is not None else None,
+            start_step=start_step,
+            start_position=start_position,
+            end_position=self.data_position(),
+        )
+
+    def healthy(self, last_train_loss: float | None) -> bool:
+        """This rank: false inside a spike episode, or when the current interval or the last
+        logged one (``last_train_loss``) saw a non-finite loss (DESIGN.md ``last_good``). Right
+        after a log interval (no step since) that interval's reading answers, with no host
+        read."""
+        if self.interval.steps == 0 and self.logged_healthy is not None:
+            return self.logged_healthy
+        interval_finite = self.interval.finite()
+        last = last_train_loss
+        in_episode = self.telemetry is not None and self.telemetry.episode_active()
+        return interval_finite and (last is None or math.isfinite(last)) and not in_episode
+
+    def episode_start(self, step: int) -> int | None:
+        """The first step of the earliest spike episode still open on this rank (None: none
+        is). One host read, at a rollback only."""
+        if self.telemetry is None:
+            return None
+        starts = [
+            step - int(s["duration"]) + 1
+            for s in signal_stats(self.telemetry.stats().tolist()).values()
+            if s["active"]
+        ]
+        return min(starts, default=None)
+
+    def catch_up(self, step: int) -> None:
+        """Before a rollback: audit what the detectors saw since the last log interval (one
+        collective read), so the steps about to be abandoned have their diagnosis."""
+        if self.telemetry is None or self.interval.steps == 0:
+            return
+        totals = self.interval.read(self.telemetry.stats())
+        self.audit(signal_stats(totals.stats), totals, step)
+
+    def restart(self, step: int) -> None:
+        """After a restore (and its skipped batches, and a new lr scale): diagnoses compare
+        with the state training goes on from."""
+        self.lr_before = self.learning_rate()
+        self.loss_scale_before = float(self.scaler.get_scale()) if self.scaler is not None else None
+        self.start = (step, self.data_position())
+
+    def restored(self, step: int) -> None:
+        """After a restore: a new timeline; what was seen after ``step`` did not happen, and
+        the detectors' counters count on from the restored totals."""
+        self.interval.reset()
+        self.episode = None
+        self.logged_healthy = None
+        if self.lr_watch is not None:
+            self.lr_watch.reset()
+        if self.telemetry is not None:
+            self.detections.resync(self.telemetry.resync_totals(step))
+
+    def close(self) -> None:
+        if self.lr_watch is not None:
+            self.lr_watch.close()
