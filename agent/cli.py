@@ -8,15 +8,10 @@ import sys
 from collections.abc import Sequence
 
 from lossguard.agent.config import Config, load_config
-from lossguard.common.cli import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    add_override_option,
-)
+from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, add_override_option
 from lossguard.common.config import ConfigError
 from lossguard.common.control.protocol import Target, parse_target
+from lossguard.common.exitcodes import EXIT_PERMANENT
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -134,12 +129,16 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
         ) from None
     except RestoreError as exc:
         print(f"lossguard-agent: error: cannot resume: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_PERMANENT
     try:
         result = trainer.fit()
-    except BaseException:
+    except KeyboardInterrupt:
         trainer.close(failed=True)
         raise
+    except Exception:
+        trainer.close(failed=True)
+        logging.getLogger("lossguard.agent").exception("training failed")
+        return trainer.guard.exit_code(failed=True)
     trainer.close()
     if trainer.dist.is_main:
         logging.getLogger("lossguard.agent").info(
@@ -148,7 +147,7 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
             result.stop_reason,
             result.run_dir,
         )
-    return EXIT_OK
+    return trainer.guard.exit_code()
 
 
 def _check(args: argparse.Namespace, cfg: Config) -> int:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lossguard.common.config import Section, field_error, read_config_file, validate
+from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
 from lossguard.common.sizes import parse_budget
 
 DEFAULT_CHECKPOINT_SECONDS = 1800.0
@@ -28,10 +30,35 @@ class RunConfig(Section):
         description="Run name; the run directory is <dir>/<id>. Default: <timestamp>.",
     )
     dir: Path = Field(default=Path("runs"), description="Root folder that holds run directories.")
+    mode: str = Field(
+        default="0700",
+        description="The run directory's mode, an octal string: 0700 (private, the default), "
+        "or 0750 to let the directory's group read the run (docs/security.md); never "
+        "writable by group or others. Records written in it get the same bits, less execute.",
+    )
     seed: int = Field(default=1337, ge=0, description="Seed of model init, sampling and dropout.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="auto = cuda when available, else cpu."
     )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode(cls, value: Any) -> str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = f"0{value:o}"  # YAML 1.1 reads an unquoted 0750 as an octal number
+        text = str(value)
+        if not re.fullmatch(r"0?[0-7]{3}", text):
+            raise ValueError("must be an octal mode such as '0700' or '0750' (quote it)")
+        bits = int(text, 8)
+        if bits & 0o700 != 0o700:
+            raise ValueError("must give the owner rwx (0700, 0750, ...)")
+        if bits & 0o022:
+            raise ValueError("must not let the group or others write (0700, 0750, ...)")
+        return f"0{bits:o}"
+
+    @property
+    def mode_bits(self) -> int:
+        return int(self.mode, 8)
 
 
 class ModelConfig(Section):
@@ -174,6 +201,25 @@ class MitigationConfig(Section):
     )
 
 
+class DistributedConfig(Section):
+    strategy: Literal["ddp", "fsdp2", "hsdp"] = Field(
+        default="ddp",
+        description="Under torchrun: ddp replicates the model; fsdp2 shards parameters, "
+        "gradients and optimizer state over all ranks (fully_shard per block and at the root); "
+        "hsdp shards within groups and replicates across them.",
+    )
+    replicate: int | None = Field(
+        default=None, ge=1, description="hsdp: replica groups (the world size divides by it)."
+    )
+    activation_checkpointing: bool = Field(
+        default=False, description="fsdp2/hsdp: recompute each block's activations in backward."
+    )
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy != "ddp"
+
+
 class ControlConfig(Section):
     socket: bool = Field(default=True, description="Serve run_dir/control.sock (mode 0600).")
     tcp: str | None = Field(
@@ -191,8 +237,18 @@ class ControlConfig(Section):
     def _tcp_needs_token(self) -> ControlConfig:
         if self.tcp is not None and int(self.tcp.rpartition(":")[2]) > 65535:
             raise field_error("tcp", "port must be <= 65535")
-        if self.tcp is not None and not os.environ.get(self.token_env):
-            raise field_error("tcp", f"needs a token in the environment variable {self.token_env}")
+        if self.tcp is not None:
+            token = os.environ.get(self.token_env, "")
+            if not token:
+                raise field_error(
+                    "tcp", f"needs a token in the environment variable {self.token_env}"
+                )
+            if len(token) < MIN_TOKEN_LENGTH:
+                raise field_error(
+                    "tcp",
+                    f"the token in {self.token_env} has {len(token)} characters, fewer than "
+                    f"{MIN_TOKEN_LENGTH}: make one with openssl rand -hex 32",
+                )
         return self
 
 
@@ -304,6 +360,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     mitigation: MitigationConfig = Field(default_factory=MitigationConfig)
@@ -329,6 +386,32 @@ class Config(Section):
                 f"needs precision.dtype fp8 (not {self.precision.dtype}): the check compares "
                 "the FP8 layers with a high-precision copy",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_combinations(self) -> Config:
+        dist = self.distributed
+        if dist.strategy == "hsdp" and dist.replicate is None:
+            raise field_error("distributed.replicate", "hsdp needs the number of replica groups")
+        if dist.strategy != "hsdp" and dist.replicate is not None:
+            raise field_error("distributed.replicate", f"only with hsdp, not {dist.strategy}")
+        if dist.activation_checkpointing and not dist.sharded:
+            raise field_error("distributed.activation_checkpointing", "only with fsdp2 or hsdp")
+        if not dist.sharded:
+            return self
+        refused = {
+            "precision.dtype": self.precision.dtype == "fp16"
+            and "fp16 needs a GradScaler, which lossguard does not run under FSDP2: use bf16",
+            "train.ema_decay": self.train.ema_decay is not None
+            and "the weight EMA is not kept for sharded models",
+            "model.compile": self.model.compile
+            and "torch.compile is not applied to sharded models (yet)",
+            "telemetry.fp8_fidelity.enabled": self.telemetry.fp8_fidelity.enabled
+            and "the FP8 fidelity shadow copies the whole model: not under FSDP2",
+        }
+        for name, why in refused.items():
+            if why:
+                raise field_error(name, f"{why} (distributed.strategy {dist.strategy})")
         return self
 
     def resolved(self) -> dict[str, Any]:

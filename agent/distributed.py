@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -40,15 +41,28 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def setup_distributed(device_preference: str) -> DistInfo:
-    """Join the torchrun process group (gloo on CPU, nccl on GPU) when WORLD_SIZE > 1."""
+def setup_distributed(device_preference: str, *, always: bool = False) -> DistInfo:
+    """Join the torchrun process group (gloo on CPU, nccl on GPU) when WORLD_SIZE > 1, or
+    ``always`` (sharding needs one even alone: outside torchrun, a group of one on 127.0.0.1)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_preference, local_rank)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if (world_size > 1 or always) and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
     return DistInfo(rank, world_size, local_rank, device)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def teardown_distributed(*, together: bool = True) -> None:

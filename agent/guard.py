@@ -26,16 +26,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from lossguard.agent.checkpoint.cadence import periodic_save_due, snapshot_store
+from lossguard.agent.checkpoint.dcp_format import DcpCheckpoints, ShardedState
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner
 from lossguard.agent.distributed import control_group, rank_and_world
+from lossguard.agent.dtensors import full_value, is_sharded
+from lossguard.agent.heartbeat import Heartbeat
 from lossguard.agent.mitigation import SpikeSkipper
 from lossguard.agent.recovery import (
     PROGRESS_STATE,
@@ -62,9 +65,11 @@ from lossguard.agent.telemetry.lr_watch import lr_watch
 from lossguard.agent.telemetry.sinks import Sink
 from lossguard.common.control.protocol import ErrorCode, SkipBatches, Target
 from lossguard.common.control.server import ControlServer
+from lossguard.common.exitcodes import EXIT_CODES, EXIT_RETRYABLE
 from lossguard.common.rundir.checkpoints import CheckpointMeta
 from lossguard.common.rundir.directory import RunDirectory
 from lossguard.common.rundir.events import CLOSE, COMMAND, OVERWRITTEN, RESUMED, SIGNAL, START
+from lossguard.common.rundir.names import CHECKPOINT_DIR
 
 log = logging.getLogger("lossguard.agent")
 
@@ -137,6 +142,7 @@ class Guard:
 
         self.paused = False
         self._stop = False
+        self.preempted = False  # stopped by the preempt signal: the run is to be requeued
         self.started_at = time.time()
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
@@ -148,6 +154,7 @@ class Guard:
         self.path = Path(run_dir)
         self.run_id = self.config.run.id or self.path.name
         self.run_dir: RunDirectory | None = None
+        self.heartbeat: Heartbeat | None = None
         self.checkpoints: CheckpointStore | None = None
         self.control: ControlServer | None = None
         self.sinks: list[Sink] = []
@@ -185,7 +192,7 @@ class Guard:
         self._skipper = self._spike_skipper()
         self.log.start = (self.step, self.log.data_position())
         if self.rank == 0:
-            self.run_dir = RunDirectory(self.path)
+            self.run_dir = RunDirectory(self.path, self.config.run.mode_bits)
             opened = open_run(
                 self.run_dir,
                 self.config,
@@ -194,15 +201,29 @@ class Guard:
                 world_size=self.world_size,
                 telemetry=self.telemetry,
                 on_reject=self._record_rejected,
+                on_refused=self._count_refused,
                 progress=(max_steps, self.step) if progress else None,
             )
             self.control, self.checkpoints, self.sinks = opened
+            self.heartbeat = Heartbeat(self.path)  # from agent.json on: a remote monitor's sign
         self._snapshot_due = False
+        sharded = (
+            DcpCheckpoints(
+                self.path / CHECKPOINT_DIR,
+                ShardedState(model, optimizer),
+                store=self.checkpoints,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+            )
+            if is_sharded(model)
+            else None
+        )
         self.recovery = Recovery(
             self.state,
             self.progress,
             store=self.checkpoints,
-            snapshots=snapshot_store(self.config.snapshot),
+            snapshots=None if sharded else snapshot_store(self.config.snapshot),  # torch only
             group=self._group,
             rank=self.rank,
             world_size=self.world_size,
@@ -211,6 +232,7 @@ class Guard:
             healthy_now=lambda: self.log.healthy(self.last_train_loss),
             on_restored=self._restored,
             event=self.event,
+            sharded=sharded,
         )
         self.commands = CommandRunner(
             self,
@@ -286,6 +308,20 @@ class Guard:
     def stop_requested(self, stop: bool) -> None:
         self._stop = stop
 
+    @property
+    def outcome(self) -> Literal["completed", "stopped", "preempted"]:
+        """How the run ends if it ends now without an error: completed, stopped (a ``stop``
+        command or SIGTERM/SIGINT) or preempted (SIGUSR1, state saved: requeue it)."""
+        if self.preempted:
+            return "preempted"
+        return "stopped" if self.stop_requested else "completed"
+
+    def exit_code(self, *, failed: bool = False) -> int:
+        """The process exit code for how the run ended (``lossguard.common.exitcodes``):
+        ``sys.exit(guard.exit_code())`` after the loop, ``exit_code(failed=True)`` when it
+        raised (a retryable failure)."""
+        return EXIT_RETRYABLE if failed else EXIT_CODES[self.outcome]
+
     # ----------------------------------------------------------------- the per-step API
 
     @contextlib.contextmanager
@@ -334,7 +370,7 @@ class Guard:
         else:
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = nn.utils.get_total_norm(grads, foreach=True)
-        norm = norm.detach().float()
+        norm = full_value(norm.detach()).float()  # sharded: one reduction over the shards
         if self.telemetry is not None:
             # Skip on the grad norm only: it is the same on every rank after DDP's all-reduce,
             # so every replica skips the same steps (a rank's own loss is counted, not acted on).
@@ -383,11 +419,12 @@ class Guard:
         while True:
             with self.idle() if self.paused else contextlib.nullcontext():
                 commands, signalled = self.commands.gather(
-                    wait=self.paused, signalled=self.signals.pending
+                    wait=self.paused, signalled=self.signals.kind
                 )
             if signalled and not self.stop_requested:
-                self.event(SIGNAL, signal=self.signals.name)
-                self.commands.stop(reason="signal")
+                self.preempted = signalled == 2
+                self.event(SIGNAL, signal=self.signals.name, preempted=self.preempted)
+                self.commands.stop(reason="preempted" if self.preempted else "signal")
             for request, pending in commands:
                 self.commands.apply(request, pending)
             if not self.paused or self.stop_requested:
@@ -538,6 +575,12 @@ class Guard:
         if self.config.checkpoint.save_on_exit and saved != self.step:
             self.save("final", wait=True)
 
+    def _count_refused(self, reason: str) -> None:
+        """A control connection or request refused before authentication: counted only (an
+        unauthenticated peer must not grow the audit trail)."""
+        if self.telemetry is not None:
+            self.telemetry.control_refused(reason)
+
     def _record_rejected(self, request_id: str | None, code: ErrorCode, message: str) -> None:
         if request_id is not None:  # a command we could identify; garbage lines are not events
             self.event(
@@ -551,6 +594,8 @@ class Guard:
             self._log_interval()
         self.signals.uninstall()
         self.log.close()
+        if self.recovery.sharded is not None and not failed:  # its writes are collective
+            self.recovery.sharded.close()
         if self.checkpoints is not None:
             self.checkpoints.wait()
         if self.control is not None:
@@ -560,11 +605,11 @@ class Guard:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         if self.run_dir is not None:
             self.event(CLOSE, stop_requested=self.stop_requested)
-            self.run_dir.mark_finished(
-                "failed" if failed else "stopped" if self.stop_requested else "completed"
-            )
+            self.run_dir.mark_finished("failed" if failed else self.outcome)
             self.run_dir.close()
 
     def __enter__(self) -> Guard:

@@ -83,8 +83,16 @@ def is_fp8_eligible(module: nn.Module, fqn: str) -> bool:
     )
 
 
-def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig, device: torch.device) -> int:
-    """Swap eligible nn.Linear layers for torchao Float8Linear; returns how many were swapped."""
+def fp8_all_gather(cfg: PrecisionConfig, device: torch.device, sharded: bool) -> bool:
+    """FSDP2 all-gathers FP8 weights (half the bytes of bf16): on GPUs, tensorwise scaling."""
+    return sharded and device.type == "cuda" and cfg.fp8_recipe == "tensorwise"
+
+
+def convert_to_fp8(
+    model: nn.Module, cfg: PrecisionConfig, device: torch.device, *, all_gather: bool = False
+) -> int:
+    """Swap eligible nn.Linear layers for torchao Float8Linear; returns how many were swapped.
+    ``all_gather`` (``fp8_all_gather``): FSDP2 gathers the weights in FP8."""
     check_fp8_supported(device)
     with quiet_cuda_kernel_warnings(device):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -95,5 +103,15 @@ def convert_to_fp8(model: nn.Module, cfg: PrecisionConfig, device: torch.device)
         # no FP8 hardware: the casts, scales and saturation are FP8's, the GEMM runs in fp32 on
         # the dequantized values (torch's own CPU _scaled_mm is a reference loop, ~100x slower)
         config = dataclasses.replace(config, emulate=True)
+    if all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=is_fp8_eligible)
     return sum(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def precompute_fp8_scales(model: nn.Module) -> None:
+    """After the optimizer step, with FP8 all-gather: every FP8 weight's scale in one
+    all-reduce, instead of one per layer inside the next forward."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -17,17 +17,20 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lossguard.agent.checkpoint.dcp_format import SHARDED_STATE, WORLD_SIZE, DcpCheckpoints
 from lossguard.agent.checkpoint.snapshot import snapshot
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.distributed import all_gather_objects, all_reduce_max, broadcast_objects
+from lossguard.agent.dtensors import full_value
 from lossguard.agent.rng import capture_rng, restore_rng
 from lossguard.agent.telemetry.collector import Telemetry
 from lossguard.common.control.protocol import ABANDONED, SkipBatches, Target
-from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta, meta_fields
 from lossguard.common.rundir.events import (
     CHECKPOINT,
     CHECKPOINT_FAILED,
+    RESHARDED,
     ROLLBACK,
     SNAPSHOTS_OFF,
     SUPERSEDED,
@@ -79,10 +82,16 @@ class TrainProgress:
 def weights_digest(model: nn.Module) -> str:
     """sha256 of the model's tensors: equal on every rank that holds the same weights."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(model.state_dict().items()):  # sharded: collective
         digest.update(name.encode())
         digest.update(
-            tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            full_value(tensor.detach())
+            .cpu()
+            .reshape(-1)
+            .contiguous()
+            .view(torch.uint8)
+            .numpy()
+            .tobytes()
         )
     return digest.hexdigest()
 
@@ -136,9 +145,10 @@ class Recovery:
     """Saves and restores every registered state (``state``, shared with the Guard).
 
     ``store`` is the checkpoint store on rank 0 and None elsewhere; ``snapshots`` this rank's
-    in-memory snapshots (None: off); ``healthy_now`` says whether
-    this rank is healthy at this boundary (DESIGN.md ``last_good``); ``on_restored`` runs after
-    every restore; ``event`` appends to the audit trail.
+    in-memory snapshots (None: off); ``sharded``, for a sharded model, writes and reads
+    ``dcp`` checkpoints on every rank (``checkpoint.dcp_format``); ``healthy_now`` says
+    whether this rank is healthy at this boundary (DESIGN.md ``last_good``); ``on_restored``
+    runs after every restore; ``event`` appends to the audit trail.
     """
 
     def __init__(
@@ -156,8 +166,11 @@ class Recovery:
         healthy_now: Callable[[], bool],
         on_restored: Callable[[CheckpointMeta], None],
         event: Events,
+        sharded: DcpCheckpoints | None = None,
     ) -> None:
         self.state = state
+        self.sharded = sharded
+        """Under FSDP2 / HSDP: ``dcp`` checkpoints, which every rank writes and reads."""
         self.progress = progress
         self.store = store
         self.snapshots = snapshots
@@ -187,6 +200,22 @@ class Recovery:
         }
         return payload, all(healthy for _, healthy in gathered)
 
+    def rank_payload(self) -> tuple[dict[str, Any], bool]:
+        """A sharded run's per-rank part of a checkpoint (all but the sharded model and
+        optimizer, and this rank's RNG states), and whether every rank is healthy now."""
+        gathered = all_gather_objects(self.healthy_now(), self.group)
+        payload = {
+            "format": CHECKPOINT_FORMAT,
+            "world_size": self.world_size,
+            "rng": [capture_rng()],
+            "state": {
+                name: obj.state_dict()
+                for name, obj in self.state.items()
+                if name not in SHARDED_STATE
+            },
+        }
+        return payload, all(gathered)
+
     def save(
         self,
         reason: str,
@@ -202,14 +231,17 @@ class Recovery:
         if self.state_mixed:
             log.error("not saving: a failed restore left the state mixed")
             return
-        payload, all_healthy = self.payload()
+        payload, all_healthy = self.payload() if self.sharded is None else self.rank_payload()
         step = self.progress.step
         self.last_saved_step = step  # on every rank: finish() must agree on the collective
         self.last_saved_at = time.monotonic()
         if self.store is None:
+            if self.sharded is not None:  # every rank writes its shards; rank 0 the meta
+                fields = meta_fields(step, 0, False, reason, None, None, None)  # for the name
+                self.sharded.save(payload, fields, wait=wait or not self.async_save, on_done=None)
             return
         store = self.store
-        meta_fields: dict[str, Any] = {
+        fields_in: dict[str, Any] = {
             "tokens": self.progress.tokens,
             "healthy": all_healthy if healthy is None else healthy,
             "reason": reason,
@@ -217,6 +249,8 @@ class Recovery:
             "val_loss": val_loss,
         }
         store.wait()  # at most one save in flight; its end must not clear this one's gauge
+        if self.sharded is not None:
+            self.sharded.wait()
         started = time.perf_counter()
         if self.telemetry is not None:
             self.telemetry.checkpoint_started()
@@ -241,11 +275,15 @@ class Recovery:
             if on_done is not None:
                 on_done(result)
 
+        if self.sharded is not None:
+            fields = meta_fields(step, extra=None, **fields_in)
+            self.sharded.save(payload, fields, wait=wait or not self.async_save, on_done=finished)
+            return
         if self.async_save and not wait:
-            store.save_async(step, snapshot(payload), on_done=finished, **meta_fields)
+            store.save_async(step, snapshot(payload), on_done=finished, **fields_in)
             return
         try:
-            meta = store.save(step, payload, **meta_fields)
+            meta = store.save(step, payload, **fields_in)
         except Exception as exc:  # a failed save must not stop training
             finished(exc)
             return
@@ -302,30 +340,22 @@ class Recovery:
                 "(or a batches_per_step one), to know which batches the abandoned steps used",
                 bad_request=True,
             )
-        loaded: list[Any] = [None]
-        if self.store is not None:
-            self.store.wait()
-            memory = self.snapshots.list() if self.snapshots is not None else []
-            try:
-                meta, payload = self.store.load_or_snapshot(target, before_step, memory)
-                loaded = [{"meta": meta, "payload": payload}]
-            except Exception as exc:
-                loaded = [f"{exc}"]
-        loaded = broadcast_objects(loaded, self.group)
-        if isinstance(loaded[0], str):
-            raise RestoreError(loaded[0], not_found=True)
-        meta = loaded[0]["meta"]
-        payload = loaded[0]["payload"]
-        if payload is None:  # a snapshot: each rank takes its own from memory
-            payload = self._from_memory(meta.name)
-        payload = _upgraded(payload, meta.name)
-        missing = sorted(n for n in set(self.state) - set(payload["state"]) if not is_optional(n))
+        meta, payload = (
+            self._load_whole(target, before_step)
+            if self.sharded is None
+            else self._load_sharded(target, before_step)
+        )
+        in_dcp = set(SHARDED_STATE) if self.sharded is not None else set()
+        absent = set(self.state) - set(payload["state"]) - in_dcp
+        missing = sorted(n for n in absent if not is_optional(n))
         if missing:
             raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
         failure: Exception | None = None
         if self.snapshots is not None:  # a copy still in flight reads what is about to change
             self.snapshots.before_update()
         try:
+            if self.sharded is not None:
+                self.sharded.load_sharded(meta)
             self._apply(payload)
         except Exception as exc:
             failure = exc
@@ -347,6 +377,64 @@ class Recovery:
             data.skip(skip)  # type: ignore[union-attr]
         self._leave_timeline(meta)
         return meta, skip
+
+    def _load_whole(
+        self, target: Target, before_step: int | None
+    ) -> tuple[CheckpointMeta, dict[str, Any]]:
+        """A ``torch`` checkpoint, rank 0 loads it and every rank gets its payload; or an
+        in-memory snapshot, each rank's own."""
+        loaded: list[Any] = [None]
+        if self.store is not None:
+            self.store.wait()
+            memory = self.snapshots.list() if self.snapshots is not None else []
+            try:
+                meta, payload = self.store.load_or_snapshot(target, before_step, memory)
+                loaded = [{"meta": meta, "payload": payload}]
+            except Exception as exc:
+                loaded = [f"{exc}"]
+        loaded = broadcast_objects(loaded, self.group)
+        if isinstance(loaded[0], str):
+            raise RestoreError(loaded[0], not_found=True)
+        meta = loaded[0]["meta"]
+        payload = loaded[0]["payload"]
+        if payload is None:  # a snapshot: each rank takes its own from memory
+            payload = self._from_memory(meta.name)
+        return meta, _upgraded(payload, meta.name)
+
+    def _load_sharded(
+        self, target: Target, before_step: int | None
+    ) -> tuple[CheckpointMeta, dict[str, Any]]:
+        """A ``dcp`` checkpoint, verified by rank 0, and this rank's payload (the sharded
+        state is read when applied)."""
+        assert self.sharded is not None
+        self.sharded.wait()
+        chosen: list[Any] = [None]
+        if self.store is not None:
+            try:
+                chosen = [self.store.load_verified(target, before_step)]
+            except Exception as exc:
+                chosen = [f"{exc}"]
+        chosen = broadcast_objects(chosen, self.group)
+        if isinstance(chosen[0], str):
+            raise RestoreError(chosen[0], not_found=True)
+        meta: CheckpointMeta = chosen[0]
+        if meta.format != DCP_FORMAT:
+            raise RestoreError(
+                f"{meta.name} is a {meta.format} checkpoint of a model that was not sharded; "
+                f"this sharded run loads {DCP_FORMAT} checkpoints"
+            )
+        payload = self.sharded.rank_payload(meta)
+        saved_world = int(meta.extra.get(WORLD_SIZE, 1))
+        if saved_world != self.world_size and self.rank == 0:
+            message = (
+                f"{meta.name} was written by {saved_world} ranks and loads on {self.world_size}: "
+                "model and optimizer state are resharded exactly, but the per-rank RNG states "
+                "(dropout), detector windows and data streams are not (a rank without its own "
+                "takes rank 0's): training goes on, it does not replay bit for bit"
+            )
+            log.warning("%s", message)
+            self.event(RESHARDED, checkpoint=meta.name, saved_world_size=saved_world)
+        return meta, _upgraded(payload, meta.name)
 
     def _from_memory(self, name: str) -> dict[str, Any]:
         """This rank's snapshot ``name`` (every rank has it, or the restore changes nothing)."""
@@ -432,6 +520,8 @@ class Recovery:
     def _apply(self, payload: dict[str, Any]) -> None:
         """Optional state (detectors) first and forgivingly, then the training state."""
         for name, obj in sorted(self.state.items(), key=lambda item: not is_optional(item[0])):
+            if self.sharded is not None and name in SHARDED_STATE:
+                continue  # loaded by DCP
             saved = payload["state"].get(name)
             if not is_optional(name):
                 obj.load_state_dict(saved)

@@ -25,6 +25,7 @@ from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, W
 from lossguard.common.control.protocol import Target, parse_target
 from lossguard.common.control.server import (
     ControlServer,
+    RefusedHook,
     RejectHook,
     answered_before,
     socket_is_live,
@@ -216,6 +217,7 @@ def open_run(
     world_size: int,
     telemetry: Telemetry | None,
     on_reject: RejectHook,
+    on_refused: RefusedHook,
     progress: tuple[int | None, int] | None,
 ) -> OpenedRun:
     """Rank 0, in the run directory just opened: the control server, the sinks, the records
@@ -225,7 +227,11 @@ def open_run(
     continuing = (path / CONFIG_FILE).exists()
     # these fail before any file is written
     control = serve_control(
-        config.control, path, on_reject, answered=answered_before(run_dir.read_events())
+        config.control,
+        path,
+        on_reject,
+        answered=answered_before(run_dir.read_events()),
+        on_refused=on_refused,
     )
     sinks: list[Sink] = [MetricsLogSink(run_dir.metrics)]
     if config.wandb.enabled:

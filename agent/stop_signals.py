@@ -1,5 +1,6 @@
-"""SIGTERM and SIGINT during training: the first asks the loop to save and stop at the next step
-boundary; a second one gets the default action (the handlers are put back at the first)."""
+"""SIGTERM, SIGINT and SIGUSR1 during training: the first asks the loop to save and stop at the
+next step boundary (SIGUSR1: preempted, the run is to be requeued; the others: stopped); a second
+one gets the default action (the handlers are put back at the first)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import threading
 from types import FrameType
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+PREEMPT_SIGNAL = signal.SIGUSR1
+"""Slurm's warning before a time limit (``--signal=B:USR1@…``): save, exit with the requeue code."""
 
 
 class StopSignals:
@@ -34,6 +37,13 @@ class StopSignals:
     @property
     def pending(self) -> bool:
         return self.received is not None
+
+    @property
+    def kind(self) -> int:
+        """0: no signal; 1: stop; 2: preempt (ordered: of several ranks' kinds, the larger wins)."""
+        if self.received is None:
+            return 0
+        return 2 if self.received == PREEMPT_SIGNAL else 1
 
     @property
     def name(self) -> str | None:

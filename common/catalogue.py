@@ -18,6 +18,7 @@ FP8_TENSORS = ("input", "weight", "grad_output")
 MEMORY_KINDS = ("allocated", "reserved", "peak_allocated")
 CHECKPOINT_KINDS = ("latest", "best", "last_good")
 SKIP_REASONS = ("nonfinite", "spike")
+CONTROL_REFUSALS = ("timeout", "unauthorized", "busy")
 
 
 # name (without prefix) -> (type, help, extra label names)
@@ -78,6 +79,11 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "gpu_utilization_ratio": ("gauge", "NVML GPU utilisation.", ()),
     "gpu_power_watts": ("gauge", "NVML power draw.", ()),
     "gpu_temperature_celsius": ("gauge", "NVML GPU temperature.", ()),
+    "gpu_info": (
+        "gauge",
+        "The GPU this rank trains on, labelled as DCGM's exporter labels it (value 1).",
+        ("Hostname", "gpu", "UUID", "modelName"),
+    ),
     "checkpoint_step": (
         "gauge",
         "Step of the latest, best and last good state (checkpoint or in-memory snapshot).",
@@ -90,13 +96,24 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "checkpoint_save_duration_seconds": ("histogram", "Checkpoint save wall time.", ()),
     "rollbacks": ("counter", "Rollbacks applied.", ()),
     "control_commands": ("counter", "Control commands by outcome.", ("command", "result")),
+    "control_refusals": (
+        "counter",
+        "Control connections and requests refused before authentication (TCP): no token line "
+        "in time (timeout), a wrong or missing token (unauthorized), no free slot (busy).",
+        ("reason",),
+    ),
     "paused": ("gauge", "1 while training is paused.", ()),
     "grad_layer_norm": ("gauge", "Gradient L2 norm of the top-k layers.", ("layer",)),
     "grad_vanishing_layers": ("gauge", "Layers with a vanishing gradient.", ()),
     "grad_exploding_layers": ("gauge", "Layers with an exploding gradient.", ()),
     "grad_dead_neuron_ratio": ("gauge", "Largest fraction of rows with all-zero gradient.", ()),
 }
-NVML_METRICS = ("gpu_utilization_ratio", "gpu_power_watts", "gpu_temperature_celsius")
+NVML_METRICS = (
+    "gpu_utilization_ratio",
+    "gpu_power_watts",
+    "gpu_temperature_celsius",
+    "gpu_info",
+)
 
 
 def exposed_name(name: str) -> str:

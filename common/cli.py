@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+from lossguard.common.exitcodes import EXIT_COMPLETED, EXIT_CONFIG, EXIT_PERMANENT
+
+EXIT_OK = EXIT_COMPLETED
+EXIT_FAILED = EXIT_PERMANENT  # a command that is not a run (status, check, ...) failed
+EXIT_USAGE = EXIT_CONFIG
 EXIT_INTERRUPTED = 130
 
 

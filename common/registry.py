@@ -21,6 +21,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from lossguard.common.catalogue import (
     BASE_LABELS,
     CATALOGUE,
+    CONTROL_REFUSALS,
     NVML_METRICS,
     PREFIX,
     SIGNALS,
@@ -36,6 +37,7 @@ COUNTER_LABELS: dict[str, list[dict[str, str]]] = {
     "nonfinite": [{"signal": s} for s in SIGNALS],
     "skipped_steps": [{"reason": r} for r in SKIP_REASONS],
     "control_commands": [],  # created by the first command
+    "control_refusals": [{"reason": r} for r in CONTROL_REFUSALS],
 }
 
 

@@ -20,12 +20,14 @@ from dashboards.panels import (
     query_variable,
     single,
 )
+from dashboards.run_dcgm import dcgm_row
 from dashboards.run_stability import stability_row
 
 
 def run_dashboard() -> db.Dashboard:
     """One or more runs (run_id and rank variables): overview, stability, throughput, memory and
-    GPU, checkpoints and actions; spikes, rollbacks and firing alerts as annotations."""
+    GPU, checkpoints and actions, the GPUs from DCGM; spikes, rollbacks and firing alerts as
+    annotations."""
     by_run = "{{run_id}}"
     overview = (
         base("lossguard-run", "lossguard run", "A training run watched by lossguard.")
@@ -140,7 +142,7 @@ def run_dashboard() -> db.Dashboard:
             )
         )
     )
-    return (
+    board = (
         stability_row(overview, by_run)
         .with_row(db.Row("Throughput and efficiency"))
         .with_panel(
@@ -303,3 +305,4 @@ def run_dashboard() -> db.Dashboard:
             )
         )
     )
+    return dcgm_row(board)

@@ -4,7 +4,6 @@ from the config file's folder, as Prometheus does for its rule files."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +19,7 @@ from lossguard.common.config import (
     seconds,
     validate,
 )
+from lossguard.common.ownership import user_ids
 from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.validation import http_url
@@ -55,6 +55,12 @@ class ScrapeConfig(_Durations):
         description="Stop watching a run whose process died on this host this long after its "
         "last sign of life (its dead-run alert resolves).",
     )
+    trusted_owners: list[str | int] = Field(
+        default_factory=list,
+        description="Users (names or uids) whose run directories, agent.json and "
+        "supervisor.json under runs_root the monitor believes, besides its own user and root "
+        "(docs/security.md); a run file writable by others is never believed.",
+    )
     file_sd_path: Path | None = Field(
         default=None,
         description="Write the discovered targets (agents and live supervisors, with job, "
@@ -67,6 +73,12 @@ class ScrapeConfig(_Durations):
         for url in targets:
             http_url(url)
         return targets
+
+    @field_validator("trusted_owners")
+    @classmethod
+    def _users(cls, owners: list[str | int]) -> list[str | int]:
+        user_ids(owners)  # ValueError: no such user
+        return owners
 
     @model_validator(mode="after")
     def _timeout_within_interval(self) -> ScrapeConfig:
@@ -105,37 +117,15 @@ class ListenConfig(Section):
         default="LOSSGUARD_MONITOR_TOKEN",
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Environment variable holding the bearer token that POST "
-        "/api/v1/alertmanager requires (required when host is not a loopback address) and "
-        "without which POST /api/v1/runs/{run_id}/control is off.",
+        "/api/v1/alertmanager and POST /api/v1/runs/{run_id}/control require; without it, "
+        "both are off (on loopback too).",
     )
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) only accepts local connections; an empty
-    host, a wildcard address or another name means the network."""
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def webhook_token(listen: ListenConfig, environ: Mapping[str, str] | None = None) -> str | None:
-    """The Alertmanager webhook's bearer token from ``$listen.token_env`` (None: not set, the
-    webhook takes alerts from any local process). A monitor listening beyond loopback must
-    have one: the webhook makes it roll training back (ConfigError naming the variable)."""
-    token = (os.environ if environ is None else environ).get(listen.token_env, "")
-    if token:
-        return token
-    if not is_loopback(listen.host):
-        raise ConfigError(
-            f"listen.token_env: ${listen.token_env} is not set, but listen.host {listen.host!r} "
-            "is not a loopback address: anyone who reaches it could make the monitor act on "
-            f"training through POST /api/v1/alertmanager; set ${listen.token_env} to a secret "
-            "token (and give Alertmanager the same), or listen on 127.0.0.1"
-        )
-    return None
+    """The bearer token of the endpoints that can make the monitor act (Alertmanager's
+    webhook and control) from ``$listen.token_env``; None: not set, and both are off."""
+    return (os.environ if environ is None else environ).get(listen.token_env) or None
 
 
 class MonitorConfig(Section):

@@ -13,7 +13,9 @@ from types import FrameType
 from typing import Any
 
 from lossguard.common.config import seconds
-from lossguard.monitor.actions.engine import Actions
+from lossguard.common.ownership import user_ids
+from lossguard.monitor.actions.corroborate import Corroborator
+from lossguard.monitor.actions.engine import Actions, Refusal
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.config import MonitorConfig, webhook_token
@@ -36,9 +38,9 @@ from lossguard.monitor.rules.rulefile import (
     metric_names,
 )
 from lossguard.monitor.rules.ruleset import RuleSet, Schedule
-from lossguard.monitor.runs import RUN_METRICS, RunsView
+from lossguard.monitor.runs import RUN_METRICS, RunsView, read_runs
 from lossguard.monitor.sources import Source
-from lossguard.monitor.sources.discovery import discover
+from lossguard.monitor.sources.discovery import discover, trust_owners
 from lossguard.monitor.sources.file_sd import FileSdWriter
 from lossguard.monitor.sources.liveness import DeadRun
 from lossguard.monitor.sources.prometheus import PrometheusSource
@@ -57,6 +59,7 @@ class Monitor:
         self.interval_s = seconds(config.rules.evaluation_interval)
         groups = self._load_rules()  # RuleError: the caller exits 2
         secrets = read_secrets(config.notifications)  # ConfigError: the caller exits 2
+        trust_owners(user_ids(config.scrape.trusted_owners))
         self.store = StateStore(config.state.path)
         self.metrics = MonitorMetrics()
         self._unrecorded: list[Transition] = []
@@ -95,6 +98,11 @@ class Monitor:
             config_path=None if config.source_file is None else str(config.source_file),
             observe=self.metrics.acted,
             on_done=self._acted,
+            corroborator=Corroborator(
+                lambda: [entry.rule for entry in self.ruleset.rules],
+                self._knows_run,
+                self.source.query,
+            ),
         )
         delivery = config.notifications.delivery
         self.deliverer = Deliverer(
@@ -111,7 +119,7 @@ class Monitor:
         self._wake = threading.Event()
         self._last_cycle: float | None = None
         self.schedule = Schedule(self.interval_s)
-        token = webhook_token(config.listen)  # ConfigError: the caller exits 2
+        token = webhook_token(config.listen)
         self.server = MonitorServer(
             self.metrics.registry,
             self._health,
@@ -120,6 +128,7 @@ class Monitor:
             config.listen.port,
             on_alerts=self.receive_alertmanager,
             token=token,
+            token_env=config.listen.token_env,
             extra=api_routes(
                 RunsView(config.scrape.runs_root, self.source, self.store),
                 self.store,
@@ -243,10 +252,19 @@ class Monitor:
             log.error("state database: %s; the action shows in the next notification", exc)
         self._wake.set()
 
-    def receive_alertmanager(self, alerts: list[IncomingAlert]) -> None:
-        """Alerts from Alertmanager's webhook: decided about on the next cycle, now."""
-        self.actions.receive(alerts, time.time())
+    def receive_alertmanager(self, alerts: list[IncomingAlert]) -> list[Refusal]:
+        """Alerts from Alertmanager's webhook: those the monitor corroborates are decided about
+        on the next cycle, now; the others are refused (returned, with why)."""
+        refused = self.actions.receive(alerts, time.time())
         self._wake.set()
+        return refused
+
+    def _knows_run(self, run_id: str) -> bool:
+        """Whether ``run_id`` is a run the monitor watches: discovered under the runs root or
+        reached through ``actions.agents``."""
+        return run_id in self.config.actions.agents or run_id in read_runs(
+            self.config.scrape.runs_root
+        )
 
     def notify(self, now: float) -> list[int] | None:
         """Queue what the recorded transitions and due alert groups call for; wake delivery.

@@ -15,12 +15,12 @@ from typing import Any, Literal
 
 from lossguard.common.catalogue import STEP, exposed_name
 from lossguard.common.rundir.agent_file import AgentInfo
-from lossguard.common.rundir.names import AGENT_FILE
 from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
 from lossguard.monitor.notify.model import RUN_LABEL
 from lossguard.monitor.promql import PromQLError
 from lossguard.monitor.promql.model import label_value
 from lossguard.monitor.sources import Source, SourceError, TargetStatus
+from lossguard.monitor.sources.discovery import announced_runs
 from lossguard.monitor.state import StateStore
 from lossguard.monitor.views import active_alerts
 
@@ -58,18 +58,11 @@ class RunFiles:
 
 
 def read_runs(runs_root: Path | None) -> dict[str, RunFiles]:
-    """Every run with a readable ``agent.json`` under ``runs_root``, ended ones included; where
-    two name one run, the one started last (as discovery does)."""
-    found: dict[str, RunFiles] = {}
-    for path in sorted(runs_root.glob(f"*/{AGENT_FILE}")) if runs_root else ():
-        try:
-            info = AgentInfo.parse(path.read_bytes())
-        except (OSError, ValueError):
-            continue  # removed meanwhile, or unreadable: discovery warns about it
-        known = found.get(info.run_id)
-        if known is None or info.started_at > known.agent.started_at:
-            found[info.run_id] = RunFiles(path.parent, info)
-    return found
+    """Every run under ``runs_root`` that discovery believes, ended ones included (one per run
+    id, as discovery picks it)."""
+    if runs_root is None:
+        return {}
+    return {run.info.run_id: RunFiles(run.run_dir, run.info) for run in announced_runs(runs_root)}
 
 
 class RunsView:

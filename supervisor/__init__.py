@@ -1,6 +1,9 @@
-"""The supervisor: keeps a training command alive on its host (DESIGN.md "Supervisor").
+"""The supervisor: keeps a training command alive (DESIGN.md "Supervisor").
 
-``process`` runs the command in a process group of its own, ``resume`` picks the checkpoint a
-restart resumes from, ``budget`` paces restarts, ``metrics`` exports what happened,
-``supervisor`` is the loop and ``cli`` is ``lossguard-supervise``. Torch-free.
+``process`` runs the command in a process group of its own and ``tree`` keeps its whole
+process tree in reach, ``resume`` picks the checkpoint a restart resumes from, ``budget`` paces
+restarts, ``outcome`` maps an exit to the exit-code contract, ``metrics`` exports what
+happened, ``supervisor`` is the loop (node 0 of a multi-node run: ``leader``), ``follower`` the
+loop of the other nodes, ``multinode`` the files through which they agree, and ``cli`` is
+``lossguard-supervise``. Torch-free.
 """

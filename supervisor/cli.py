@@ -3,6 +3,7 @@ for its status or for a restart.
 
     lossguard-supervise run --run-dir runs/gpt -- lossguard-agent run configs/demo.yaml
     lossguard-supervise run --run-dir runs/gpt -- torchrun --nproc-per-node 8 train.py
+    lossguard-supervise run --run-dir /shared/gpt -- torchrun --nnodes 4 --rdzv-backend c10d ...
     lossguard-supervise status --run-dir runs/gpt
     lossguard-supervise restart --run-dir runs/gpt --reason "hung after the NFS outage"
 """
@@ -24,7 +25,10 @@ from lossguard.common.control.client import (
     ControlTimeout,
     ControlUnavailable,
 )
+from lossguard.common.exitcodes import EXIT_CONFIG, EXIT_PERMANENT
 from lossguard.common.rundir.names import SUPERVISOR_SOCKET
+from lossguard.supervisor.follower import Follower
+from lossguard.supervisor.multinode import PlacementError, placement
 from lossguard.supervisor.supervisor import (
     Supervisor,
     SupervisorError,
@@ -72,6 +76,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=_count, default=0, help="exporter port (default 0: any free one)"
     )
     run.add_argument("--no-metrics", action="store_true", help="no exporter")
+    run.add_argument(
+        "--give-up",
+        action="store_true",
+        help="when the restart budget is spent, exit 1 (permanent failure) instead of waiting "
+        "for a restart request (for a scheduler's job)",
+    )
+    run.add_argument(
+        "--term-is-preemption",
+        action="store_true",
+        help="take SIGTERM as preemption (Kubernetes): the run saves and exits 138, to be "
+        "started again, instead of stopping (3)",
+    )
+    nodes = run.add_argument_group(
+        "multi-node (one supervisor per node over a shared run directory; node 0 leads)"
+    )
+    nodes.add_argument(
+        "--node-rank",
+        type=_count,
+        help="this node (default: SLURM_NODEID, else torchrun's --node-rank, else 0)",
+    )
+    nodes.add_argument(
+        "--nnodes",
+        type=_count,
+        help="the node count (default: torchrun's --nnodes, else SLURM_JOB_NUM_NODES, else 1)",
+    )
+    nodes.add_argument(
+        "--join-timeout",
+        type=_duration,
+        default="10m",
+        help="node 0 waits this long for the others to join, the others this long for node 0 "
+        "(default 10m)",
+    )
+    nodes.add_argument(
+        "--leader-timeout",
+        type=_duration,
+        default="1m",
+        help="another node ends when node 0 is silent this long (default 1m)",
+    )
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     for name, text in (("status", "show a supervisor's state"), ("restart", "restart the run")):
         client = sub.add_parser(name, help=text)
@@ -82,13 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SupervisorOptions:
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         parser.error("run: the training command is missing (put it after --)")
+    return tuple(command)
+
+
+def _options(args: argparse.Namespace, command: tuple[str, ...], nnodes: int) -> SupervisorOptions:
     return SupervisorOptions(
         run_dir=args.run_dir.resolve(),
-        command=tuple(command),
+        command=command,
         run_id=args.run_id or args.run_dir.resolve().name,
         max_restarts=args.max_restarts,
         window_s=args.window,
@@ -97,7 +143,37 @@ def _options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Super
         kill_after_s=args.kill_after,
         metrics_host=args.metrics_host,
         metrics_port=None if args.no_metrics else args.metrics_port,
+        nnodes=nnodes,
+        join_timeout_s=args.join_timeout,
+        give_up=args.give_up,
+        term_is_preemption=args.term_is_preemption,
     )
+
+
+def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    command = _command(parser, args)
+    try:
+        where = placement(command, args.node_rank, args.nnodes)
+    except PlacementError as exc:
+        print(f"lossguard-supervise: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    run_dir = args.run_dir.resolve()
+    if where.node > 0:
+        follower = Follower(
+            run_dir,
+            command,
+            where.node,
+            args.leader_timeout,
+            args.join_timeout,
+            args.kill_after,
+            args.term_is_preemption,
+        )
+        return follower.run()
+    try:
+        return Supervisor(_options(args, command, where.nnodes)).run()
+    except SupervisorError as exc:
+        print(f"lossguard-supervise: error: {exc}", file=sys.stderr)
+        return EXIT_PERMANENT
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -128,11 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     if args.command != "run":
         return _ask(args)
-    try:
-        return Supervisor(_options(parser, args)).run()
-    except SupervisorError as exc:
-        print(f"lossguard-supervise: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    return _supervise(parser, args)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "restarts_remaining": ("gauge", "Restarts left in the budget's window.", ("run_id",)),
     "last_crash_timestamp_seconds": (
         "gauge",
-        "When the training command last died; the labels say how, at which step, and the "
-        "checkpoint the restart resumes from.",
-        ("run_id", "exit", "step", "checkpoint"),
+        "When the training command last died; the labels say how, at which step, on which "
+        "node (of a multi-node run: the node whose group crashed first), and the checkpoint "
+        "the restart resumes from.",
+        ("run_id", "exit", "step", "node", "checkpoint"),
     ),
 }
 
@@ -63,11 +64,14 @@ class SupervisorMetrics:
         for each in STATES:
             self._gauge("state").labels(self.run_id, each).set(1.0 if each == state else 0.0)
 
-    def crashed(self, exit: str, step: int | None, checkpoint: str | None) -> None:
+    def crashed(
+        self, exit: str, step: int | None, checkpoint: str | None, node: int | None
+    ) -> None:
         self._counter("crashes").labels(self.run_id).inc()
         last = self._gauge("last_crash_timestamp_seconds")
         last.clear()  # one series: the last crash
-        labels = (self.run_id, exit, "" if step is None else str(step), checkpoint or "")
+        where = "" if node is None else str(node)
+        labels = (self.run_id, exit, "" if step is None else str(step), where, checkpoint or "")
         last.labels(*labels).set(time.time())
 
     def restarted(self, reason: str) -> None:

@@ -4,7 +4,6 @@ the last lines kept for the audit record."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -12,29 +11,23 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import cast
+from collections.abc import Mapping, Sequence
+
+from lossguard.supervisor.tree import libc_prctl, signal_tree
 
 STDERR_TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    """libc's prctl, looked up before any fork (None: not Linux)."""
-    try:
-        return cast(Callable[..., int], ctypes.CDLL(None, use_errno=True).prctl)
-    except (OSError, AttributeError):
-        return None
-
-
-_prctl = _load_prctl()
-
-
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the supervisor dies (Linux), so a killed
-    supervisor never leaves an unsupervised run behind."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    supervisor never leaves an unsupervised run behind. SIGUSR1 is ignored (and stays ignored
+    across exec): the supervisor sends it to the whole tree, and torchrun would die of it; the
+    agent installs its own handler."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    prctl = libc_prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class TrainingProcess:
@@ -85,13 +78,34 @@ class TrainingProcess:
         with contextlib.suppress(ProcessLookupError):
             self._popen.send_signal(signum)
 
+    def signal_tree(self, signum: int) -> None:
+        """Send ``signum`` to the command and every process below it (the agent's ranks under
+        torchrun, each in a session of its own)."""
+        signal_tree(self.pid, signum)
+
     def end_group(self, kill_after_s: float) -> int:
         """End the whole process group: SIGTERM, then SIGKILL after ``kill_after_s`` (a hung
-        process never acts on SIGTERM). Returns the command's exit status."""
+        process never acts on SIGTERM) to the group and everything below the command. Returns
+        the command's exit status."""
         _signal_group(self.pid, signal.SIGTERM)
         status = self.wait(kill_after_s)
+        if status is None:
+            signal_tree(self.pid, signal.SIGKILL)
         _signal_group(self.pid, signal.SIGKILL)  # stragglers of the group, too
         return status if status is not None else self._popen.wait()
+
+
+def forward_stop(child: TrainingProcess, signum: int, term_is_preemption: bool) -> None:
+    """Pass a stop signal the supervisor got on to a running command: SIGUSR1 (preemption) to
+    it and every process below it, so that the agent's ranks under torchrun get it (torchrun,
+    started with SIGUSR1 ignored, survives it); SIGTERM and SIGINT to the command as SIGTERM
+    (torchrun passes it on), or as SIGUSR1 with ``term_is_preemption``."""
+    if child.poll() is not None:
+        return
+    if signum == signal.SIGUSR1 or (term_is_preemption and signum == signal.SIGTERM):
+        child.signal_tree(signal.SIGUSR1)
+    else:
+        child.signal(signal.SIGTERM)
 
 
 def _signal_group(pgid: int, signum: int) -> None:

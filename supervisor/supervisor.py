@@ -28,6 +28,7 @@ from lossguard.common.control.server import (
     PendingCommand,
     answered_before,
 )
+from lossguard.common.exitcodes import EXIT_PERMANENT, EXIT_RETRYABLE, EXIT_STOPPED
 from lossguard.common.rundir.directory import RunDirectory
 from lossguard.common.rundir.events import (
     COMMAND,
@@ -46,13 +47,18 @@ from lossguard.common.rundir.supervisor_file import (
     pid_alive,
 )
 from lossguard.supervisor.budget import RestartBudget
+from lossguard.supervisor.leader import Leader
 from lossguard.supervisor.metrics import SupervisorMetrics
+from lossguard.supervisor.multinode import Coordination
+from lossguard.supervisor.outcome import child_outcome, combined
 from lossguard.supervisor.process import (
     TrainingProcess,
     describe_status,
     end_leftover_group,
+    forward_stop,
 )
 from lossguard.supervisor.resume import ResumePlanner, step_reached
+from lossguard.supervisor.tree import become_subreaper, end_orphans
 
 log = logging.getLogger("lossguard.supervisor")
 POLL_S = 0.2
@@ -74,6 +80,10 @@ class SupervisorOptions:
     kill_after_s: float = 30.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0  # None: no exporter
+    nnodes: int = 1  # this supervisor leads them (it is node 0)
+    join_timeout_s: float = 600.0
+    give_up: bool = False  # exit (permanent failure) when the restart budget is spent
+    term_is_preemption: bool = False  # SIGTERM is forwarded as SIGUSR1 (Kubernetes)
 
 
 class Supervisor:
@@ -102,15 +112,21 @@ class Supervisor:
             version=__version__,
         )
         self.server: ControlServer | None = None
+        self.leader: Leader | None = None
+        self.generation = 0
+        self.ended_at = 0.0  # when the last start's command was seen to end
 
     # ------------------------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        become_subreaper()
         self._end_leftovers()
         self._start_services()
         self._install_signals()
         self.event(SUPERVISOR_START, pid=os.getpid(), command=list(self.options.command))
         try:
+            if self.options.nnodes > 1 and not self._lead():
+                return self._finish(None, EXIT_STOPPED if self.stop_signal else EXIT_RETRYABLE)
             return self._loop()
         finally:
             if self.server is not None:
@@ -130,18 +146,65 @@ class Supervisor:
                     restarts_remaining=self.budget.remaining(time.time()),
                 )
             self._start(resume.name if resume else None, restarted=reason != "start")
-            status, requested = self._watch()
+            status, requested, node = self._watch()
+            code, node = self._outcome(status, node)
             if requested is not None:
                 self._answer_restart(requested, status)
                 reason = "requested"
                 continue
-            if self.stop_signal is not None or status == 0:
-                return self._finish(status)
-            if not self._crashed(status):
-                return self._finish(status)
+            if code is not None:
+                return self._finish(status, code)
+            if self.stop_signal is not None:
+                return self._finish(status, EXIT_RETRYABLE)
+            code = self._crashed(status, node)
+            if code is not None:
+                return self._finish(status, code)
             reason = "crash"
 
+    def _lead(self) -> bool:
+        """Node 0 of several: wait for every other node to join; whether they did."""
+        self.leader = Leader(Coordination(self.run_dir), self.options.nnodes)
+        log.info("waiting for %d more nodes to join", self.options.nnodes - 1)
+        joined = self.leader.wait_joined(self.options.join_timeout_s, self._idle)
+        if not joined and self.stop_signal is None:
+            log.error(
+                "only %d of %d nodes joined within %.0f s",
+                len(self.leader.reports()) + 1,
+                self.options.nnodes,
+                self.options.join_timeout_s,
+            )
+        return joined
+
+    def _idle(self, timeout: float) -> bool:
+        """Serve commands for ``timeout`` (restart requests wait); whether a stop signal came."""
+        for pending in self._commands(timeout):
+            pending.resolve(self._refuse_restart(pending))
+        return self.stop_signal is not None
+
+    def _outcome(self, status: int, node: int | None) -> tuple[int | None, int | None]:
+        """The run's exit code for this start (None: a crash) and the node that crashed first.
+        With followers, every node's group is ended first and their outcomes combined."""
+        assert self.child is not None
+        left = end_orphans()
+        if left:
+            log.warning("ended %d processes the training command left behind", len(left))
+        own = child_outcome(status, self.run_dir, self.child.started_at)
+        if self.leader is None:
+            return own, None
+        timeout = self.options.kill_after_s + 60
+        others = self.leader.end_all(self.generation, timeout, self._idle)
+        codes = {n: r.code if r is not None else None for n, r in others.items()}
+        if node is None:  # our group ended first, or we saw it first: who crashed first?
+            crashed = [(r.ended_at or 0.0, n) for n, r in others.items() if r and r.code is None]
+            if own is None:
+                crashed.append((self.ended_at, 0))
+            node = min(crashed)[1] if crashed else None
+        return combined([own, *codes.values()]), node
+
     def _start(self, resume: str | None, *, restarted: bool) -> None:
+        self.generation += 1
+        if self.leader is not None:
+            self.leader.publish("run", generation=self.generation, resume_from=resume)
         env = dict(os.environ)
         env.pop(RESUME_ENV, None)
         if resume is not None:
@@ -151,33 +214,41 @@ class Supervisor:
         restarts = self.info.restarts + restarted
         self._set_state("running", child_pid=self.child.pid, restarts=restarts)
 
-    def _watch(self) -> tuple[int, PendingCommand | None]:
-        """Wait for the child to exit, or for a restart request (which ends its group first)."""
+    def _watch(self) -> tuple[int, PendingCommand | None, int | None]:
+        """Wait for the child to exit, for a restart request, or for another node's group to
+        crash (the last two end our group first). The exit status, the request, the node."""
         assert self.child is not None
         while True:
             status = self.child.poll()
             if status is not None:
-                return status, None
+                self.ended_at = time.time()
+                return status, None, None
+            crashed = self.leader.crashed_node(self.generation) if self.leader else None
+            if crashed is not None:
+                log.warning("node %d's group crashed: ending ours", crashed)
+                return self.child.end_group(self.options.kill_after_s), None, crashed
             for pending in self._commands(POLL_S):
                 if pending.request.cmd == "restart" and self.stop_signal is None:
                     log.warning("restart requested: %s", pending.request.args["reason"])
-                    return self.child.end_group(self.options.kill_after_s), pending
+                    return self.child.end_group(self.options.kill_after_s), pending, None
                 pending.resolve(self._refuse_restart(pending))
 
-    def _crashed(self, status: int) -> bool:
-        """Record a crash; whether the run is restarted (after the backoff)."""
+    def _crashed(self, status: int, node: int | None) -> int | None:
+        """Record a crash (of ``node``'s group first, with several nodes); None when the run
+        is restarted (after the backoff), else the exit code to end with."""
         assert self.child is not None
         step = step_reached(self.run_dir)
         repeated = self.planner.crashed(step)
         delay = self.budget.take(time.time())
         resume = self.planner.choose() if delay is not None else None
         exit = describe_status(status)
-        self.metrics.crashed(exit, step, resume.name if resume else None)
+        self.metrics.crashed(exit, step, resume.name if resume else None, node)
         self.metrics.set_remaining(self.budget.remaining(time.time()))
         self.event(
             CRASH,
             exit=exit,
             exit_status=status,
+            node=node,
             step=step,
             repeated_at_same_step=repeated,
             stderr_tail=self.child.stderr_tail(),
@@ -188,11 +259,12 @@ class Supervisor:
         if delay is None:
             return self._crash_loop()
         self._set_state("backoff", child_pid=None)
-        return not self._sleep(delay)
+        return EXIT_STOPPED if self._sleep(delay) else None
 
-    def _crash_loop(self) -> bool:
-        """The budget is spent: stay up (the page is the ``state`` series) until a human asks
-        for a restart or stops the supervisor. Whether to restart."""
+    def _crash_loop(self) -> int | None:
+        """The budget is spent: with ``give_up``, end (permanent failure); otherwise stay up
+        (the page is the ``state`` series) until a human asks for a restart (None) or stops
+        the supervisor."""
         opts = self.options
         self.event(CRASH_LOOP, max_restarts=opts.max_restarts, window_s=opts.window_s)
         log.error(
@@ -203,15 +275,17 @@ class Supervisor:
             self.run_dir,
         )
         self._set_state("crash_loop", child_pid=None)
+        if opts.give_up:
+            return EXIT_PERMANENT
         while self.stop_signal is None:
             for pending in self._commands(POLL_S):
                 if pending.request.cmd == "restart":
                     self.budget.reset()
                     self.metrics.set_remaining(self.budget.remaining(time.time()))
                     self._record_answer(pending, {"restarting": True, "killed_pid": None})
-                    return True
+                    return None
                 pending.resolve(self._refuse_restart(pending))
-        return False
+        return EXIT_STOPPED
 
     def _sleep(self, delay: float) -> bool:
         """Wait out the backoff; whether a stop signal came meanwhile (a restart request
@@ -225,17 +299,22 @@ class Supervisor:
                 pending.resolve(self._refuse_restart(pending))
         return self.stop_signal is not None
 
-    def _finish(self, status: int) -> int:
-        how = describe_status(status)
+    def _finish(self, status: int | None, code: int) -> int:
+        """End with ``code`` (the exit-code contract), every node with it."""
+        how = describe_status(status) if status is not None else "not started"
         why = f"stop signal {signal.Signals(self.stop_signal).name}, " if self.stop_signal else ""
-        self.event(SUPERVISOR_EXIT, exit=how, stop_signal=bool(self.stop_signal))
-        log.info("training command ended (%s%s); not restarting", why, how)
+        self.event(SUPERVISOR_EXIT, exit=how, exit_code=code, stop_signal=bool(self.stop_signal))
+        log.info("training command ended (%s%s); not restarting; exit %d", why, how, code)
         self._set_state("exited", child_pid=None)
-        return status if status >= 0 else 128 - status
+        if self.leader is not None:
+            self.leader.publish("exit", exit_code=code)
+        return code
 
     # ----------------------------------------------------------------------- commands, files
 
     def _commands(self, timeout: float) -> list[PendingCommand]:
+        if self.leader is not None:
+            self.leader.beat()
         if self.server is None:
             self._wake.wait(timeout)
             self._wake.clear()
@@ -319,15 +398,16 @@ class Supervisor:
             log.warning("ended process group %d left by a killed supervisor", previous.child_pid)
 
     def _install_signals(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(signum, self._on_stop_signal)
 
     def _on_stop_signal(self, signum: int, frame: object) -> None:
-        """Preemption: forward the signal once (the run saves and exits 0); never restart."""
+        """Stop or preemption: forward the signal once (SIGTERM to the command, which saves
+        and stops; SIGUSR1 to its whole group: the agent's ranks save and exit with the requeue
+        code); never restart."""
         if self.stop_signal is not None:
             return
         self.stop_signal = signum
-        child = self.child
-        if child is not None and child.poll() is None:
-            child.signal(signal.SIGTERM)
+        if self.child is not None:
+            forward_stop(self.child, signum, self.options.term_is_preemption)
         self._wake.set()

@@ -18,6 +18,7 @@ from typing import Any
 
 from .amserver import AlertmanagerServer, alertmanager
 from .promserver import PromServer, prometheus
+from .webauth import WebAuth
 
 MONITOR_WEBHOOK_PATH = "/api/v1/alertmanager"
 
@@ -82,11 +83,14 @@ def alert_stack(
     repeat_interval: str = "1h",
     also: Sequence[Mapping[str, Any]] = (),
     target_labels: Mapping[str, Mapping[str, str]] | None = None,
+    web_auth: WebAuth | None = None,
 ) -> Iterator[AlertStack]:
     """Alertmanager (see :func:`actions_config`; ``token`` goes into a credentials file of
     mode 0600) and Prometheus scraping ``metrics_urls`` and evaluating ``rule_files`` every
     ``evaluation_interval``, sending to that Alertmanager; both on free ports of 127.0.0.1 with
-    their files under ``directory``. Both are stopped on exit."""
+    their files under ``directory``, and, as in the compose stack, their web endpoints behind
+    basic auth (``web_auth``, default a fresh password). Both are stopped on exit."""
+    auth = web_auth or WebAuth()
     directory.mkdir(parents=True, exist_ok=True)
     credentials = None
     if token is not None:
@@ -103,7 +107,7 @@ def alert_stack(
         also=also,
     )
     with (
-        alertmanager(directory / "alertmanager", config) as am,
+        alertmanager(directory / "alertmanager", config, auth) as am,
         prometheus(
             directory / "prometheus",
             metrics_urls,
@@ -112,6 +116,7 @@ def alert_stack(
             rule_files=rule_files,
             target_labels=target_labels,
             alertmanagers=[am.url],
+            web_auth=auth,
         ) as prom,
     ):
         yield AlertStack(prom, am)

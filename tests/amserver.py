@@ -19,7 +19,8 @@ import requests
 import yaml
 
 from .conftest import free_port
-from .promserver import ServerProcess, running
+from .promserver import ServerProcess, running, web_config_flag
+from .webauth import WebAuth
 
 
 def binary(name: str) -> str:
@@ -48,7 +49,9 @@ class AlertmanagerServer(ServerProcess):
 
     def post_alerts(self, alerts: Sequence[Mapping[str, Any]]) -> None:
         """``POST /api/v2/alerts`` with these postable alerts, in this order, in one request."""
-        reply = requests.post(f"{self.url}/api/v2/alerts", json=list(alerts), timeout=10)
+        reply = requests.post(
+            f"{self.url}/api/v2/alerts", json=list(alerts), auth=self.auth, timeout=10
+        )
         assert reply.status_code == 200, reply.text
 
     def post_firing(self, label_sets: Sequence[Mapping[str, str]]) -> None:
@@ -57,16 +60,19 @@ class AlertmanagerServer(ServerProcess):
 
     def alerts(self) -> list[dict[str, Any]]:
         """``GET /api/v2/alerts`` (Alertmanager works out inhibition anew for each request)."""
-        reply = requests.get(f"{self.url}/api/v2/alerts", timeout=10)
+        reply = requests.get(f"{self.url}/api/v2/alerts", auth=self.auth, timeout=10)
         assert reply.status_code == 200, reply.text
         alerts: list[dict[str, Any]] = reply.json()
         return alerts
 
 
 @contextmanager
-def alertmanager(directory: Path, config: Mapping[str, Any]) -> Iterator[AlertmanagerServer]:
+def alertmanager(
+    directory: Path, config: Mapping[str, Any], web_auth: WebAuth | None = None
+) -> Iterator[AlertmanagerServer]:
     """Run Alertmanager with ``config`` on a free port of 127.0.0.1 (also its external URL),
-    without clustering; its files live in ``directory``. Stopped on exit."""
+    without clustering; its files live in ``directory``. With ``web_auth``, as in the compose
+    stack: its web endpoints need basic auth. Stopped on exit."""
     directory.mkdir(parents=True, exist_ok=True)
     config_path = write_config(directory / "alertmanager.yml", config)
     port = free_port()
@@ -80,11 +86,13 @@ def alertmanager(directory: Path, config: Mapping[str, Any]) -> Iterator[Alertma
                 f"--web.external-url=http://127.0.0.1:{port}",
                 "--cluster.listen-address=",
                 "--log.level=warn",
+                *web_config_flag(directory, web_auth),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    server = AlertmanagerServer(process, port, directory)
+    auth = None if web_auth is None else web_auth.pair
+    server = AlertmanagerServer(process, port, directory, auth)
     with running(server, "Alertmanager", 20):
         yield server
 

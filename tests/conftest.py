@@ -113,10 +113,16 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.005):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def start_agent(config: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``lossguard-agent run CONFIG ARGS`` in the background (output captured)."""
+def start_agent(
+    config: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    module: str = "lossguard.agent.cli",
+) -> subprocess.Popen:
+    """Start ``lossguard-agent run CONFIG ARGS`` in the background (output captured); ``module``
+    may be a stand-in that runs it (tests/fake_gpu_agent.py)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "lossguard.agent.cli", "run", str(config), "--no-progress", *args],
+        [sys.executable, "-m", module, "run", str(config), "--no-progress", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -19,6 +19,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from .conftest import free_port, wait_for
+from .webauth import USER, WebAuth
 
 TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -38,6 +39,7 @@ class ServerProcess:
     process: subprocess.Popen[bytes]
     port: int
     directory: Path
+    auth: tuple[str, str] | None = None  # basic auth (tests/webauth.py), for requests
 
     @property
     def url(self) -> str:
@@ -56,7 +58,9 @@ class PromServer(ServerProcess):
 
     def api(self, path: str, **params: Any) -> Any:
         """``GET /api/v1/<path>``: the reply's ``data`` (fails the test on an API error)."""
-        reply = requests.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
+        reply = requests.get(
+            f"{self.url}/api/v1/{path}", params=params, auth=self.auth, timeout=10
+        ).json()
         assert reply["status"] == "success", reply
         return reply["data"]
 
@@ -96,9 +100,11 @@ def scrape_config(
     }
 
 
-def alerting_config(alertmanagers: Sequence[str]) -> dict[str, Any]:
+def alerting_config(
+    alertmanagers: Sequence[str], password_file: Path | None = None
+) -> dict[str, Any]:
     """One ``alerting.alertmanagers`` entry for Alertmanager base URLs (same scheme and path
-    prefix, as Prometheus wants them)."""
+    prefix, as Prometheus wants them), with basic auth when ``password_file`` is given."""
     parts = [urlsplit(url) for url in alertmanagers]
     schemes = {p.scheme for p in parts}
     prefixes = {p.path.rstrip("/") for p in parts}
@@ -109,6 +115,8 @@ def alerting_config(alertmanagers: Sequence[str]) -> dict[str, Any]:
         "api_version": "v2",
         "static_configs": [{"targets": [p.netloc for p in parts]}],
     }
+    if password_file is not None:
+        entry["basic_auth"] = {"username": USER, "password_file": str(password_file)}
     prefix = prefixes.pop()
     if prefix:
         entry["path_prefix"] = prefix
@@ -128,11 +136,13 @@ def prometheus(
     honor_labels: bool = False,
     alertmanagers: Sequence[str] = (),
     ready_timeout: float = 30,
+    web_auth: WebAuth | None = None,
 ) -> Iterator[PromServer]:
     """Run Prometheus on a free port of 127.0.0.1, scraping the metrics URLs ``targets`` as
     ``job`` (see :func:`scrape_config`) and sending the alerts of ``rule_files`` to the
     Alertmanagers at the base URLs ``alertmanagers``; its config, data and log live in
-    ``directory``. Stopped on exit."""
+    ``directory``. With ``web_auth``, as in the compose stack: its web endpoints need basic
+    auth, and it sends the same to the Alertmanagers. Stopped on exit."""
     binary = prometheus_binary()
     directory.mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
@@ -148,8 +158,9 @@ def prometheus(
             )
         ],
     }
+    password = None if web_auth is None else web_auth.password_file(directory / "web-password")
     if alertmanagers:
-        config["alerting"] = {"alertmanagers": [alerting_config(alertmanagers)]}
+        config["alerting"] = {"alertmanagers": [alerting_config(alertmanagers, password)]}
     config_path = directory / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()
@@ -161,13 +172,21 @@ def prometheus(
                 f"--storage.tsdb.path={directory / 'data'}",
                 f"--web.listen-address=127.0.0.1:{port}",
                 "--log.level=warn",
+                *web_config_flag(directory, web_auth),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    server = PromServer(process, port, directory)
+    server = PromServer(process, port, directory, None if web_auth is None else web_auth.pair)
     with running(server, "Prometheus", ready_timeout):
         yield server
+
+
+def web_config_flag(directory: Path, web_auth: WebAuth | None) -> list[str]:
+    """``--web.config.file`` with ``deploy/web.yml`` for ``web_auth`` (none without)."""
+    if web_auth is None:
+        return []
+    return [f"--web.config.file={web_auth.web_config(directory / 'web.yml')}"]
 
 
 @contextmanager
@@ -190,7 +209,7 @@ def _ready(server: ServerProcess, name: str) -> bool:
     if server.process.poll() is not None:
         raise AssertionError(f"{name} exited with {server.process.returncode}: {server.log}")
     try:
-        return requests.get(f"{server.url}/-/ready", timeout=1).status_code == 200
+        return requests.get(f"{server.url}/-/ready", auth=server.auth, timeout=1).status_code == 200
     except requests.ConnectionError:
         return False
 

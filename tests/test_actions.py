@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lossguard.monitor.actions.corroborate import Corroborator
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
 from lossguard.monitor.actions.endpoints import Endpoints
@@ -23,7 +24,9 @@ from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.actions.runner import ActionRunner
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.silences import SilenceStore
+from lossguard.monitor.promql import Sample
 from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
+from lossguard.monitor.rules.rulefile import AlertingRule, parse_rule_file
 from lossguard.monitor.state import StateStore
 
 T0 = 1_700_000_000.0
@@ -349,6 +352,14 @@ def test_triggers_choose_whose_alerts_start_actions(
 ) -> None:
     config = ActionsConfig.model_validate({"triggers": triggers, "dry_run": True})
     state = StateStore(tmp_path / "state.db")
+    (group,) = parse_rule_file(
+        "groups: [{name: g, rules: [{alert: LossNonFinite, expr: up, labels: {action: rollback}}]}]"
+    )
+    confirmed = [Sample((("run_id", "by-alertmanager"), ("rank", "0")), 55.0)]
+
+    def rules() -> list[AlertingRule]:
+        return list(group.rules)
+
     actions = Actions(
         config,
         state,
@@ -356,6 +367,7 @@ def test_triggers_choose_whose_alerts_start_actions(
         runs_root=None,
         observe=lambda *_: None,
         on_done=lambda _: None,
+        corroborator=Corroborator(rules, lambda run: True, lambda expr, t: confirmed),
     )
     from_rules = alert(run="by-rules")
     rule_alert = Alert(
@@ -364,7 +376,5 @@ def test_triggers_choose_whose_alerts_start_actions(
     labels = alert(run="by-alertmanager").labels
     actions.receive([IncomingAlert("firing", labels, {}, T0, None, "", "")], T0)
     actions.step([rule_alert], T0 + 1)
-    runs = {r.run_id for r in ActionStore(state).of_run("by-rules", 0)} | {
-        r.run_id for r in ActionStore(state).of_run("by-alertmanager", 0)
-    }
+    runs = {r.run_id for r in ActionStore(state).recent(10) if r.state == "dry_run"}
     assert runs == {f"by-{source}" for source in acted_on}

@@ -1,10 +1,13 @@
 """The standard ops path acting on training, end to end, all real: an agent training a tiny GPT
 with a transient NaN, Prometheus scraping it and evaluating the shipped LossNonFinite rule,
 Alertmanager grouping the alert and POSTing it (with a bearer token) to the monitor's webhook,
-and the monitor, whose own rules never fire, rolling the run back through its control socket.
-A silence on the monitor holds the rollback back at first, so that Alertmanager sends the firing
-alert again and again (repeat_interval 1s); neither those repeats nor the same notification
-replayed after the alert resolved make a second rollback."""
+and the monitor, whose own rules do not act (``triggers: [alertmanager]``) but confirm the alert
+on its own scrape, rolling the run back through its control socket. A silence on the monitor
+holds the rollback back at first, so that Alertmanager sends the firing alert again and again
+(repeat_interval 1s); neither those repeats nor the same notification replayed after the alert
+resolved make a second rollback. Alertmanager and Prometheus, behind basic auth as in the
+compose stack, refuse requests without it; forged alerts posted to Alertmanager with it, which
+it forwards with the token, are refused by the monitor, and nothing is sent to the run."""
 
 from __future__ import annotations
 
@@ -32,6 +35,11 @@ from tests.test_actions_live import agent_settings, rollbacks, shipped_rule
 
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "am-to-monitor-test-token"
+
+
+def acted(db: Path) -> list[dict[str, Any]]:
+    """The actions the monitor took up (not those it refused)."""
+    return [row for row in actions_rows(db) if row["state"] != "refused"]
 
 
 def actions_rows(db: Path) -> list[dict[str, Any]]:
@@ -79,21 +87,16 @@ def test_an_alert_through_prometheus_and_alertmanager_rolls_the_run_back_once(
     runs = tmp_path / "runs"
     run_dir = runs / "amrun"
     db = tmp_path / "state.db"
-    # the monitor's own rule never fires: the webhook is the only way to an action
-    quiet_rules = tmp_path / "quiet.rules.yml"
-    quiet_rules.write_text(
-        "groups: [{name: quiet, rules: [{alert: Never, expr: 'lossguard_step < -1',"
-        " labels: {action: rollback}}]}]\n"
-    )
+    # the monitor's own rule confirms, but does not act: the webhook is the only way to an action
     config, monitor_url = write_monitor_config(
         tmp_path / "monitor.yml",
-        [quiet_rules],
+        [shipped_rule(tmp_path, "LossNonFinite")],
         scrape={"runs_root": str(runs)},  # where the run's control socket is found
         notifications={
             "receivers": [{"name": "log", "log_configs": [{}]}],
             "route": {"receiver": "log"},
         },
-        actions={"enabled": True, "rollback": {"cooldown": "0s"}},  # skip: the abandoned
+        actions={"triggers": ["alertmanager"], "rollback": {"cooldown": "0s"}},
     )
     # held at first, so that Alertmanager sends the firing alert again and again
     silenced = monitor_cli(
@@ -131,21 +134,21 @@ def test_an_alert_through_prometheus_and_alertmanager_rolls_the_run_back_once(
                 also=[{"url": sink.url("/seen"), "send_resolved": True}],
             ) as stack,
         ):
-            (held,) = wait_for(lambda: actions_rows(db), 90, "the held rollback")
+            (held,) = wait_for(lambda: acted(db), 90, "the held rollback")
             assert held["state"] == "held" and held["origin"] == "alertmanager"
             wait_for(
                 lambda: len(webhook_receipts(config)) >= 3,
                 20,
                 "the monitor to hear the firing alert three times",
             )
-            assert [a["id"] for a in actions_rows(db)] == [held["id"]]
+            assert [a["id"] for a in acted(db)] == [held["id"]]
             expired = monitor_cli(
                 "silence", "expire", "--config", str(config), silenced.stdout.strip()
             )
             assert expired.returncode == 0, expired.stderr
 
             applied = wait_for(
-                lambda: [a for a in actions_rows(db) if a["state"] == "applied"],
+                lambda: [a for a in acted(db) if a["state"] == "applied"],
                 30,
                 "the rollback applied",
             )
@@ -169,17 +172,48 @@ def test_an_alert_through_prometheus_and_alertmanager_rolls_the_run_back_once(
             replay = requests.post(
                 webhook, json=first, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
             )
-            assert replay.status_code == 200 and replay.json()["actionable"] == 1
+            # taken (the same request id: decided already) or refused (no NaN seen any more)
+            assert replay.status_code == 200, replay.text
             replayed_at = time.time()
             wait_for(
                 lambda: last_evaluation(monitor_url) > replayed_at + 1,
                 30,
                 "two decision cycles after the replay",
             )
+
+            # Alertmanager and Prometheus answer no one without the web password (compose's
+            # settings); forged alerts from someone with it, forwarded with the token: refused
+            for url in (
+                f"{stack.alertmanager.url}/api/v2/alerts",
+                f"{stack.prometheus.url}/-/quit",
+            ):
+                assert requests.post(url, json=[], timeout=10).status_code == 401
+            trail = (run_dir / "events.jsonl").read_bytes()
+            forged = {"alertname": "LossNonFinite", "run_id": "amrun", "rank": "0"}
+            stack.alertmanager.post_firing(
+                [
+                    {**forged, "action": "stop"},  # not the rule's action
+                    {**forged, "action": "rollback", "forged": "yes"},  # not what the monitor sees
+                    {"alertname": "StopAll", "run_id": "amrun", "action": "stop"},  # no such rule
+                ]
+            )
+            reasons = wait_for(
+                lambda: (
+                    (found := [a["reason"] for a in actions_rows(db) if a["state"] == "refused"])
+                    and len(found) >= 3
+                    and found
+                ),
+                30,
+                "the forged alerts refused",
+            )
+            assert any("asks for rollback, not action 'stop'" in r for r in reasons), reasons
+            assert any("'StopAll' is not a rule the monitor loaded" in r for r in reasons), reasons
+            assert any("not confirmed" in r for r in reasons), reasons
+            assert (run_dir / "events.jsonl").read_bytes().startswith(trail)
             # for a post-mortem: what Alertmanager sent
             (tmp_path / "webhooks.json").write_text(json.dumps(sink.bodies("/seen"), indent=1))
         assert len(webhook_receipts(config)) >= 4  # Alertmanager's (three or more) and ours
-        assert [a["id"] for a in actions_rows(db)] == [action["id"]]
+        assert [a["id"] for a in acted(db)] == [action["id"]]
         commands = [e for e in events(run_dir) if e.get("event") == "command"]
         assert [(c["cmd"], c["id"]) for c in commands] == [("rollback", action["id"])]
         assert [r["to_step"] for r in rollbacks(run_dir)] == [50]

@@ -47,6 +47,7 @@ META_FIELDS = {
     "config_hash",
     "versions",
     "extra",
+    "format",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -14,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lossguard.common.control.client import ControlClient, ControlError
 from lossguard.common.control.protocol import MAX_LINE_BYTES
 from lossguard.common.control.server import answered_before
+from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.directory import RunDirectory
 
 from .conftest import events, start_agent, tiny_settings, wait_for, write_config
@@ -64,7 +67,7 @@ class Agent:
             with ControlClient(socket_path=self.socket_path, timeout=60) as ctl:
                 ctl.request("stop")
         self.process.communicate(timeout=60)
-        assert self.process.returncode == 0
+        assert self.process.returncode == EXIT_STOPPED
 
 
 @pytest.fixture
@@ -169,6 +172,7 @@ def test_fuzzed_lines_each_get_one_reply_and_training_goes_on(agent: Agent) -> N
 
 def test_socket_is_owner_only_and_tcp_needs_the_token(agent: Agent) -> None:
     assert stat.S_IMODE(os.stat(agent.socket_path).st_mode) == 0o600
+    trail = [e for e in events(agent.run_dir) if e["event"] == "command"]
     with ControlClient(tcp=agent.tcp, token=None, timeout=30) as ctl:
         with pytest.raises(ControlError) as refused:
             ctl.request("status")
@@ -178,11 +182,34 @@ def test_socket_is_owner_only_and_tcp_needs_the_token(agent: Agent) -> None:
         pytest.raises(ControlError),
     ):
         ctl.request("status")
-    with ControlClient(tcp=agent.tcp, token=TOKEN, timeout=30) as ctl:
-        assert ctl.request("status")["step"] >= 2
+    # more connections than there are slots, none of which ever sends a token
+    idle = [socket.create_connection(agent.tcp, timeout=30) for _ in range(40)]
+    try:
+        with ControlClient(tcp=agent.tcp, token=TOKEN, timeout=30) as ctl:
+            assert ctl.request("status")["step"] >= 2  # after the back-off of two failures
+    finally:
+        for conn in idle:
+            conn.close()
+    refusals = wait_for(
+        lambda: (counts := refusal_counts(agent)) and counts["timeout"] >= 40 and counts,
+        30,
+        "the idle connections cut off and counted",
+    )
+    assert refusals["unauthorized"] == 2 and refusals["busy"] == 0
     log = (agent.run_dir / "events.jsonl").read_text()
     assert TOKEN not in log and "wrong" not in log
+    commands = [e for e in events(agent.run_dir) if e["event"] == "command"]
+    new = [(e.get("cmd"), e["ok"]) for e in commands[len(trail) :]]
+    assert new == [("status", True)], "refusals are counted, not audited"
     agent.stop()
+
+
+def refusal_counts(agent: Agent) -> dict[str, float]:
+    """``lossguard_control_refusals_total`` by reason, from the agent's exporter."""
+    (url,) = json.loads((agent.run_dir / "agent.json").read_text())["metrics_urls"]
+    text = requests.get(url, timeout=10).text
+    found = re.findall(r'lossguard_control_refusals_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)', text)
+    return {reason: float(value) for reason, value in found}
 
 
 def test_repeated_id_is_answered_from_the_first_result(agent: Agent) -> None:
@@ -272,7 +299,7 @@ def test_lossguard_ctl_drives_a_live_run(agent: Agent) -> None:
     stopped = ctl("--run-dir", run_dir, "stop")
     assert stopped.returncode == 0 and "stopping at step" in stopped.stdout
     agent.process.communicate(timeout=60)
-    assert agent.process.returncode == 0
+    assert agent.process.returncode == EXIT_STOPPED
     gone = ctl("--run-dir", run_dir, "status")
     assert gone.returncode == 3
 
@@ -298,7 +325,7 @@ def test_listen_failures_name_their_endpoint(tmp_path: Path) -> None:
     port = taken.getsockname()[1]
     try:
         with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{port}") as busy:
-            ControlServer(socket_path=tmp_path / "c.sock", tcp=("127.0.0.1", port), token="t")
+            ControlServer(socket_path=tmp_path / "c.sock", tcp=("127.0.0.1", port), token="t" * 16)
         assert busy.value.endpoint == "tcp"
         assert not (tmp_path / "c.sock").exists()  # the socket it did bind is cleaned up
     finally:

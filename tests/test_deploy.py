@@ -22,7 +22,7 @@ from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from lossguard.monitor.config import load_monitor_config
 from lossguard.monitor.sources.file_sd import FileSdWriter
 
-from .amserver import amtool
+from .amserver import alertmanager, amtool
 from .conftest import (
     REPO,
     free_port,
@@ -34,7 +34,8 @@ from .conftest import (
     write_config,
     write_monitor_config,
 )
-from .promserver import PromServer, exposition_server, prometheus_binary, running
+from .promserver import PromServer, exposition_server, prometheus, prometheus_binary, running
+from .webauth import WebAuth
 
 HOST = socket.gethostname()
 RULES = REPO / "alerts" / "lossguard.rules.yml"
@@ -119,34 +120,74 @@ def test_alertmanager_config_routes_and_inhibits() -> None:
     assert "credentials:" not in text and "routing_key:" not in text and "api_url:" not in text
 
 
-def test_compose_file_is_valid(tmp_path: Path) -> None:
-    env = {**os.environ, "LOSSGUARD_MONITOR_TOKEN": "not-a-secret"}
-    checked = subprocess.run(
-        ["docker-compose", "--env-file", str(REPO / ".env.example"), "config", "-q"],
+COMPOSE_SECRETS = {
+    "LOSSGUARD_MONITOR_TOKEN": "not-a-secret",
+    "LOSSGUARD_WEB_PASSWORD": "web-password",
+    "LOSSGUARD_WEB_PASSWORD_HASH": "$2b$04$ly2/hBXI9pjy6mz7Ioj8ruF1fDHU3JrBhzh2U4.m3Vh.uXTVOa5ri",
+    "GRAFANA_ADMIN_PASSWORD": "not-admin",
+}
+
+
+def compose_config(**env: str) -> subprocess.CompletedProcess[str]:
+    """``docker-compose config`` with ``.env.example`` and ``env`` (an empty value: unset)."""
+    environ = {k: v for k, v in {**os.environ, **env}.items() if v}
+    return subprocess.run(
+        ["docker-compose", "--env-file", str(REPO / ".env.example"), "config"],
         cwd=REPO,
-        env=env,
+        env=environ,
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_compose_file_is_valid_and_safe_by_default() -> None:
+    checked = compose_config(**COMPOSE_SECRETS)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    # without the token the stack refuses to start (the monitor listens beyond loopback)
-    env.pop("LOSSGUARD_MONITOR_TOKEN")
-    missing = subprocess.run(
-        ["docker-compose", "--env-file", str(REPO / ".env.example"), "config", "-q"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert missing.returncode != 0 and "LOSSGUARD_MONITOR_TOKEN" in missing.stderr
-    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-    services = compose["services"]
+    # without any one of the secrets the stack refuses to start, naming it
+    for name in COMPOSE_SECRETS:
+        missing = compose_config(**{**COMPOSE_SECRETS, name: ""})
+        assert missing.returncode != 0 and f"set {name} in .env" in missing.stderr, name
+    services = yaml.safe_load(checked.stdout)["services"]
     assert {"prometheus", "alertmanager", "grafana", "monitor", "demo-agent"} <= set(services)
     # the control socket: one runs volume, one path, in the monitor and the agent
-    assert "runs:/runs" in services["monitor"]["volumes"]
-    assert "runs:/runs" in services["demo-agent"]["volumes"]
+    assert (
+        "runs:/runs"
+        in yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["monitor"][
+            "volumes"
+        ]
+    )
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            published = port if isinstance(port, str) else f"{port['host_ip']}:{port['published']}"
+            assert published.startswith("127.0.0.1:"), (name, port)
+    commands = {name: " ".join(s.get("command") or []) for name, s in services.items()}
+    assert "--web.enable-lifecycle" not in commands["prometheus"]
+    for name in ("prometheus", "alertmanager"):
+        assert "--web.config.file=" in commands[name] and "/etc/lossguard/web.yml" in commands[name]
+    assert 'GF_SECURITY_ADMIN_PASSWORD" = admin' in commands["grafana"]
+    env_example = (REPO / ".env.example").read_text()
+    assert "GRAFANA_ADMIN_PASSWORD=\n" in env_example and "chmod 600 .env" in env_example
+
+
+def test_the_web_config_passes_promtool_and_guards_both_servers(tmp_path: Path) -> None:
+    auth = WebAuth()
+    config = auth.web_config(tmp_path / "web.yml")
+    checked = subprocess.run(
+        ["promtool", "check", "web-config", str(config)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    with (
+        alertmanager(
+            tmp_path / "am", {"route": {"receiver": "x"}, "receivers": [{"name": "x"}]}, auth
+        ) as am,
+        prometheus(tmp_path / "prom", alertmanagers=[am.url], web_auth=auth) as prom,
+    ):
+        for url in (f"{am.url}/api/v2/alerts", f"{prom.url}/api/v1/query?query=up"):
+            assert requests.get(url, timeout=10).status_code == 401
+            assert requests.get(url, auth=("lossguard", "wrong"), timeout=10).status_code == 401
+            assert requests.get(url, auth=auth.pair, timeout=10).status_code == 200
+        assert requests.post(f"{prom.url}/-/quit", auth=auth.pair, timeout=10).status_code == 403
 
 
 def test_shipped_configs_load() -> None:
@@ -177,7 +218,14 @@ def test_shipped_configs_load() -> None:
 def test_file_sd_has_live_runs_and_supervisors_only(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     out = tmp_path / "targets" / "lossguard.json"
-    write_agent(runs / "big", os.getpid(), "http://gpu1:9410/metrics", "http://gpu1:9411/metrics")
+    # runs on other hosts announce those hosts (discovery checks rank 0's URL against it)
+    write_agent(
+        runs / "big",
+        os.getpid(),
+        "http://gpu1:9410/metrics",
+        "http://gpu1:9411/metrics",
+        hostname="gpu1",
+    )
     write_agent(runs / "dead", gone_pid(), "http://127.0.0.1:9412/metrics")
     write_agent(
         runs / "done",
@@ -186,7 +234,7 @@ def test_file_sd_has_live_runs_and_supervisors_only(tmp_path: Path) -> None:
         exit="completed",
         finished_at=time.time(),
     )
-    write_agent(runs / "other-path", None, "https://gpu2:9414/custom")
+    write_agent(runs / "other-path", None, "https://gpu2:9414/custom", hostname="gpu2")
     write_supervisor(runs / "big", os.getpid(), "http://127.0.0.1:9500/metrics")
     write_supervisor(runs / "done", gone_pid(), "http://127.0.0.1:9501/metrics")
     writer = FileSdWriter(out, runs, interval_s=1, forget_dead_after_s=3600)

@@ -22,6 +22,7 @@ from lossguard.agent.config import parse_config
 from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
 from lossguard.common.control.client import ControlClient, ControlError
 from lossguard.common.control.protocol import ProtocolError, validate_args
+from lossguard.common.exitcodes import EXIT_STOPPED
 
 from .conftest import events, start_agent, tiny_settings, wait_for, write_config
 
@@ -312,7 +313,7 @@ def test_rollback_leaves_the_nan_behind_and_skips_exactly_its_batches(nan_run: N
 
     nan_run.request("stop")
     nan_run.process.communicate(timeout=60)
-    assert nan_run.process.returncode == 0
+    assert nan_run.process.returncode == EXIT_STOPPED
 
 
 def test_abandoned_needs_data_that_knows_its_position(tmp_path: Path) -> None:

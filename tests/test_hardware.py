@@ -269,6 +269,15 @@ class FakePynvml:
         info = SimpleNamespace(used=30 * 2**30, total=80 * 2**30, free=50 * 2**30)
         return self._call("nvmlDeviceGetMemoryInfo", info)
 
+    def nvmlDeviceGetIndex(self, handle: Any) -> int:
+        return int(self._call("nvmlDeviceGetIndex", 3))
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        return str(self._call("nvmlDeviceGetUUID", handle[1]))
+
+    def nvmlDeviceGetName(self, handle: Any) -> bytes:  # bytes before nvidia-ml-py 11.515
+        return bytes(self._call("nvmlDeviceGetName", b"NVIDIA H100 80GB HBM3"))
+
 
 @pytest.fixture
 def pynvml(monkeypatch: pytest.MonkeyPatch) -> FakePynvml:
@@ -339,3 +348,17 @@ def test_nvml_error_during_sample(pynvml: FakePynvml, caplog: pytest.LogCaptureF
     assert sample is not None and sample["power_watts"] == 312.5
     assert nvml.available
     nvml.close()
+
+
+def test_nvml_identity_is_dcgm_s_labels(pynvml: FakePynvml) -> None:
+    nvml = Nvml(CUDA)
+    assert nvml.identity() == {
+        "gpu": "3",  # NVML's index, as DCGM's `gpu` label, whatever CUDA_VISIBLE_DEVICES says
+        "UUID": "GPU-8f3a-0001",
+        "modelName": "NVIDIA H100 80GB HBM3",
+    }
+    pynvml.fail = "nvmlDeviceGetUUID"
+    assert nvml.identity() is None
+    nvml.close()
+    assert nvml.identity() is None
+    assert Nvml(CPU).identity() is None

@@ -135,6 +135,7 @@ def test_a_killed_process_turns_its_run_from_targets_into_a_dead_run(
             run_id="r1",
             run_dir=run,
             pid=process.pid,
+            host=HOST,
             metrics_urls=(URL, "http://127.0.0.1:10/metrics"),
             exit="crashed",
             last_seen=logged_at,
@@ -276,6 +277,7 @@ def test_a_dead_run_has_its_series_instead_of_failed_scrapes_until_it_lives_agai
             "__name__": RUN_EXITED,
             "job": "lossguard-agent",
             "run_id": "r1",
+            "host": HOST,
             "exit": "crashed",
             "last_step": "40",
             "last_checkpoint": "step_00000040 (healthy)",
@@ -366,7 +368,7 @@ def test_a_supervisor_is_scraped_as_its_own_job(tmp_path: Path, scraping: Scrape
 
 
 def dead(run_id: str, supervisor: str) -> DeadRun:
-    return DeadRun(run_id, Path(run_id), 1, (URL,), "crashed", 1.7e9, 12, None, supervisor)
+    return DeadRun(run_id, Path(run_id), 1, "gpu1", (URL,), "crashed", 1.7e9, 12, None, supervisor)
 
 
 def test_the_monitor_exports_dead_runs_on_its_metrics() -> None:
@@ -374,7 +376,8 @@ def test_the_monitor_exports_dead_runs_on_its_metrics() -> None:
     metrics.update_run_exits([dead("r1", "restarting")])
     text = generate_latest(metrics.registry).decode()
     assert (
-        'lossguard_run_exited_timestamp_seconds{exit="crashed",last_checkpoint="",last_step="12",'
+        'lossguard_run_exited_timestamp_seconds{exit="crashed",host="gpu1",last_checkpoint="",'
+        'last_step="12",'
         'run_id="r1",supervisor="restarting"} 1.7e+09'
     ) in text
     metrics.update_run_exits([dead("r1", "none")])  # the supervisor died: one series, relabelled

@@ -1,12 +1,15 @@
 """The monitor benchmark runs end to end: simulated agents in a child process, scraped and
-evaluated on the daemon's schedule, and reports numbers that make sense."""
+evaluated on the daemon's schedule, then by a real Prometheus, and reports numbers that make
+sense."""
 
 from __future__ import annotations
 
 import math
 
 from lossguard.common.catalogue import CATALOGUE
-from lossguard.monitor.bench import AgentFleet, results_table, run_benchmark
+from lossguard.monitor.bench.compare import compare, comparison_table
+from lossguard.monitor.bench.fleet import AgentFleet
+from lossguard.monitor.bench.monitor import results_table, run_benchmark
 from tests.conftest import REPO
 
 AGENTS = 4
@@ -23,14 +26,35 @@ def test_benchmark_measures_scraping_and_evaluation() -> None:
     assert result.rules > 0
     assert result.eval_cycles >= 3 and result.scrape_cycles >= 3
     assert 0 < result.cpu_share < 2
-    assert 0 < result.agents_cpu_share < 2
+    # the agents' child renders from a template: under a clock tick for 4 agents over 2 s
+    assert math.isfinite(result.agents_cpu_share) and 0 <= result.agents_cpu_share < 2
     assert 0 < result.evaluation.p50 <= result.evaluation.p95 <= result.evaluation.max
     assert 0 < result.scrape.p50 <= result.scrape.p95 <= result.scrape.max
     assert result.targets_up == AGENTS
     assert result.samples_per_cycle >= AGENTS * len(CATALOGUE) * 2  # catalogue-sized
     assert AGENTS * 20 <= result.series < result.samples_per_cycle  # the rules' names only
     assert result.peak_rss_bytes > 0 and math.isfinite(result.projected_sample_bytes)
+    assert result.rss_end_bytes > 0
     assert results_table(result).row_count > 5
+
+
+def test_prometheus_runs_beside_the_monitor_over_the_same_agents() -> None:
+    row = compare(
+        agents=AGENTS,
+        seconds_measured=2.0,
+        interval_s=0.5,
+        rule_files=[REPO / "alerts" / "lossguard.rules.yml"],
+        warmup_cycles=2,
+    )
+    baseline = row.prometheus
+    assert baseline is not None and baseline.version.startswith("2.")
+    assert baseline.targets_up == AGENTS and row.monitor.targets_up == AGENTS
+    assert 0 < baseline.cpu_share < 2 and math.isfinite(row.cpu_ratio) and row.cpu_ratio > 0
+    # Prometheus stores every exposed series; the monitor only those of the names the rules read
+    assert baseline.series >= row.monitor.samples_per_cycle > row.monitor.series
+    assert baseline.rss_end_bytes > baseline.rss_start_bytes > 0
+    assert 0 < baseline.scrape_interval_p99_s < 5 and baseline.missed_iterations >= 0
+    assert comparison_table([row]).row_count == 2
 
 
 def test_fleet_child_ends_when_closed() -> None:

@@ -35,16 +35,16 @@ def test_memory_storage_orders_replaces_and_truncates() -> None:
     for t, value in [(20, 2.0), (0, 0.0), (10, 1.0), (10, 1.5), (30, 3.0)]:
         storage.add({"__name__": "x", "job": "a", "empty": ""}, t, value)
     storage.add((("__name__", "x"), ("job", "b")), 5, 9.0)
-    ((labels, samples),) = storage.select([Matcher("job", "=", "a")], 10, 30)
+    ((labels, samples),) = storage.select([Matcher("job", "=", "a")], 10_000, 30_000)
     assert labels == make_labels({"__name__": "x", "job": "a"})
-    assert samples == [(10, 1.5), (20, 2.0), (30, 3.0)]
-    assert [key for key, _ in storage.select([Matcher("empty", "=", "")], 0, 100)] == [
+    assert samples == [(10_000, 1.5), (20_000, 2.0), (30_000, 3.0)]
+    assert [key for key, _ in storage.select([Matcher("empty", "=", "")], 0, 100_000)] == [
         labels,
         make_labels({"__name__": "x", "job": "b"}),
     ]
     storage.truncate(before=15)
-    assert [(key, s) for key, s in storage.select([Matcher("__name__", "=", "x")], 0, 100)] == [
-        (labels, [(20, 2.0), (30, 3.0)])
+    assert [(key, s) for key, s in storage.select([Matcher("__name__", "=", "x")], 0, 100_000)] == [
+        (labels, [(20_000, 2.0), (30_000, 3.0)])
     ]
 
 

@@ -247,3 +247,18 @@ def test_a_diverged_branch_does_not_flatten_the_recovered_loss(tmp_path: Path) -
     assert ax.get_yscale() == "linear" and 1.8 < low < 2.0 and 3.0 < high < 3.2
     labels = [t.get_text() for t in ax.texts if t.get_gid() == "mark-rollback-0-label"]
     assert labels == [" rollback to step 80 (memory/step_00000080)"]
+
+
+def test_text_from_the_run_is_drawn_as_written_not_as_math(tmp_path: Path) -> None:
+    """A ``$`` in a request id (any client may choose one) is a dollar sign in the figures."""
+    run_dir = tmp_path / "own"
+    own_loop_run(run_dir)
+    step = read_run(run_dir).train[-1].step
+    odd = ["cost$5", r"$\undefinedmacro{x}$", "$$"]
+    with open(run_dir / "events.jsonl", "a", encoding="utf-8") as out:
+        for request_id in odd:
+            event = {"event": "command", "cmd": "pause", "id": request_id, "ok": True}
+            out.write(json.dumps({**event, "step": step, "time": 0.0}) + "\n")
+    files = write_report(run_dir, tmp_path / "out")
+    page = files.html.read_text(encoding="utf-8")
+    assert "cost$5" in page and "undefinedmacro" in page

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lossguard.common.control.client import ControlClient
+from lossguard.common.exitcodes import EXIT_CODES, EXIT_STOPPED
 
 from .conftest import (
     events,
@@ -160,7 +161,7 @@ def test_stop_command_saves_and_exits_cleanly(tmp_path: Path, corpus_cache: Path
         reply = ctl.request("stop")
     assert reply["checkpoint"] == f"step_{reply['step']:08d}"
     _, stderr = agent.communicate(timeout=60)
-    assert agent.returncode == 0, stderr
+    assert agent.returncode == EXIT_STOPPED, stderr
     assert has_checkpoint(run_dir, reply["step"])
     assert not (run_dir / "control.sock").exists()
     assert json.loads((run_dir / "agent.json").read_text())["exit"] == "stopped"
@@ -184,26 +185,34 @@ def test_an_applied_request_id_is_not_applied_again_after_a_restart(
         status = ctl.request("status")
         ctl.request("stop")
     _, stderr = resumed.communicate(timeout=60)
-    assert resumed.returncode == 0, stderr
+    assert resumed.returncode == EXIT_STOPPED, stderr
     assert again == first == {"lr_scale": 0.5, "lr": first["lr"]}
     assert status["lr_scale"] != 0.25
     applied = [e for e in events(run_dir) if e["event"] == "command" and e["id"] == "once"]
     assert len(applied) == 1
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_preemption_signal_saves_then_exits_zero(
-    tmp_path: Path, corpus_cache: Path, signum: signal.Signals
+@pytest.mark.parametrize(
+    ("signum", "outcome", "reason"),
+    [
+        (signal.SIGTERM, "stopped", "signal"),
+        (signal.SIGINT, "stopped", "signal"),
+        (signal.SIGUSR1, "preempted", "preempted"),
+    ],
+)
+def test_a_stop_or_preempt_signal_saves_then_exits_with_its_code(
+    tmp_path: Path, corpus_cache: Path, signum: signal.Signals, outcome: str, reason: str
 ) -> None:
     agent, run_dir = start_long_run(tmp_path, corpus_cache)
     agent.send_signal(signum)
     _, stderr = agent.communicate(timeout=60)
-    assert agent.returncode == 0, stderr
+    assert agent.returncode == EXIT_CODES[outcome], stderr  # type: ignore[index]
     log = events(run_dir)
-    assert [e["signal"] for e in log if e["event"] == "signal"] == [signum.name]
-    saved = [e for e in log if e["event"] == "checkpoint" and e["reason"] == "signal"]
+    signalled = [(e["signal"], e["preempted"]) for e in log if e["event"] == "signal"]
+    assert signalled == [(signum.name, outcome == "preempted")]
+    saved = [e for e in log if e["event"] == "checkpoint" and e["reason"] == reason]
     assert len(saved) == 1 and has_checkpoint(run_dir, saved[0]["checkpoint_step"])
-    assert json.loads((run_dir / "agent.json").read_text())["exit"] == "stopped"
+    assert json.loads((run_dir / "agent.json").read_text())["exit"] == outcome
 
 
 def test_resume_problems_are_reported(tmp_path: Path, corpus_cache: Path) -> None:

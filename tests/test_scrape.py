@@ -117,7 +117,7 @@ def test_samples_are_stored_at_the_scrape_time_in_milliseconds(exporter, make_so
     (series,) = source.storage.select([Matcher("__name__", "=", "a")], 0, math.inf)
     assert series == (
         make_labels({"__name__": "a", "job": "lossguard-agent", "instance": exporter.instance}),
-        [(T0, 1.0)],
+        [(round(T0 * 1000), 1.0)],
     )
 
 
@@ -230,7 +230,7 @@ def test_history_is_cut_at_the_retention(exporter, make_source) -> None:
     for second in range(31):
         source.scrape_once(T0 + second)
     ((_, kept),) = source.storage.select([Matcher("__name__", "=", "a")], 0, math.inf)
-    assert [t for t, _ in kept] == [T0 + second for second in range(20, 31)]
+    assert [t for t, _ in kept] == [round((T0 + second) * 1000) for second in range(20, 31)]
 
 
 def test_a_bad_target_url_is_refused() -> None:
@@ -344,7 +344,7 @@ def test_the_background_loop_scrapes_on_the_interval_and_stops(exporter) -> None
     up = [Matcher("__name__", "=", "up")]
 
     def scrape_times() -> list[float]:
-        return [t for _, points in source.storage.select(up, 0, math.inf) for t, _ in points]
+        return [t / 1000 for _, points in source.storage.select(up, 0, math.inf) for t, _ in points]
 
     try:
         source.start()

@@ -7,6 +7,9 @@ Prometheus with ``deploy/prometheus.yml`` laid out as in the container, Alertman
   restarts it from a checkpoint) and later sees a NaN loss, which Prometheus's LossNonFinite
   sends through Alertmanager to the monitor's webhook, and the monitor rolls it back;
 * ``fp16`` (GradScaler on CPU) with a learning-rate divergence, so the spike detectors fire;
+  its agent runs as if on a GPU that NVML knows (tests/fake_gpu_agent.py), so it exports NVML's
+  series and ``lossguard_gpu_info``, which joins it with a stand-in DCGM exporter's series for
+  that GPU (tests/dcgm_exporter.py, scraped as ``deploy/prometheus.yml``'s ``dcgm`` job);
 * ``fp8`` (torchao Float8Linear, emulated on CPU) with FP8 health sampling and the FP8
   fidelity check.
 
@@ -16,9 +19,9 @@ dashboard or a rule must exist in Prometheus (i.e. in a live scrape), and the ro
 come through the webhook. Only NVML's GPU series may be empty (:data:`NO_DATA_ON_CPU`).
 
 The only change to the shipped files: ``deploy/prometheus.yml``'s 5 s scrape and evaluation
-intervals become 1 s, and its ``monitor:9409`` and ``alertmanager:9093`` (compose DNS names)
-become the test's ports; the monitor's paths and port, and Alertmanager's webhook URL and secret
-files, are the test's.
+intervals become 1 s, and its ``monitor:9409``, ``alertmanager:9093`` and ``dcgm-exporter:9400``
+(compose DNS names) become the test's ports; the monitor's paths and port, and Alertmanager's
+webhook URL and secret files, are the test's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,10 +57,13 @@ from .conftest import (
     wait_for,
     write_config,
 )
-from .promserver import PromServer, prometheus_binary, running
+from .dcgm_exporter import IDENTITY, dcgm_exposition
+from .promserver import ExpositionServer, PromServer, prometheus_binary, running, web_config_flag
+from .webauth import WebAuth
 
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "stack-test-token"
+AUTH = WebAuth()  # Prometheus's and Alertmanager's basic auth, as in compose
 DASHBOARDS = sorted((REPO / "dashboards" / "json").glob("*.json"))
 RULES = REPO / "alerts" / "lossguard.rules.yml"
 RUNS = ("sup", "fp16", "fp8")
@@ -78,6 +85,11 @@ NO_DATA_ON_CPU = {
 }
 
 METRIC = re.compile(r"\blossguard_[a-z0-9_]+")
+OTHER_GPU = "GPU-00000000-0000-0000-0000-000000000001"
+DCGM_JOIN = (
+    "DCGM_FI_DEV_POWER_USAGE * on(Hostname, gpu) group_left(run_id, rank) "
+    "max by (Hostname, gpu, run_id, rank) (lossguard_gpu_info)"
+)
 
 
 @dataclass
@@ -91,14 +103,17 @@ class Stack:
 # ---------------------------------------------------------------------------- the stack
 
 
-def prometheus_config(monitor: str, alertmanager_url: str) -> str:
-    """deploy/prometheus.yml with 1 s intervals and the test's addresses, otherwise unchanged."""
+def prometheus_config(monitor: str, alertmanager_url: str, dcgm: str, password_file: Path) -> str:
+    """deploy/prometheus.yml with 1 s intervals and the test's addresses and password file,
+    otherwise unchanged."""
     text = shipped = (REPO / "deploy" / "prometheus.yml").read_text()
     replacements = {
         "scrape_interval: 5s": "scrape_interval: 1s",
         "evaluation_interval: 5s": "evaluation_interval: 1s",
         "'alertmanager:9093'": f"'{alertmanager_url.split('//')[1]}'",
         "'monitor:9409'": f"'{monitor.split('//')[1]}'",
+        "'dcgm-exporter:9400'": f"'{dcgm}'",
+        "/etc/prometheus/secrets/web-password": str(password_file),
     }
     for old, new in replacements.items():
         assert shipped.count(old) == 1, old
@@ -157,6 +172,7 @@ def agent_settings(runs: Path, cache: Path, run_id: str, **sections: Any) -> dic
 
 
 def start_prometheus(layout: Path, data: Path) -> PromServer:
+    """Prometheus on the laid-out deploy/prometheus.yml, behind basic auth as in compose."""
     port = free_port()
     with open(layout / PromServer.LOG_FILE, "wb") as log:
         process = subprocess.Popen(
@@ -166,11 +182,12 @@ def start_prometheus(layout: Path, data: Path) -> PromServer:
                 f"--storage.tsdb.path={data}",
                 f"--web.listen-address=127.0.0.1:{port}",
                 "--log.level=warn",
+                *web_config_flag(layout, AUTH),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    return PromServer(process, port, layout)
+    return PromServer(process, port, layout, AUTH.pair)
 
 
 def monitor_actions(monitor_url: str) -> list[dict[str, Any]]:
@@ -258,17 +275,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    agents = [start_agent(configs["fp16"]), start_agent(configs["fp8"])]
+    agents = [
+        start_agent(configs["fp16"], module="tests.fake_gpu_agent"),
+        start_agent(configs["fp8"]),
+    ]
+    # GPU 0 is fp16's (the stand-in NVML's UUID); GPU 1 trains nothing
+    dcgm = ExpositionServer(dcgm_exposition(socket.gethostname(), [IDENTITY["UUID"], OTHER_GPU]))
 
     (tmp / "state").mkdir()
     config, monitor_url = monitor_config(layout, runs, tmp / "state" / "state.db")
     monitor = start_monitor(config, env={TOKEN_ENV: TOKEN})
     try:
         with alertmanager(
-            tmp / "alertmanager", alertmanager_config(monitor_url, tmp / "secrets")
+            tmp / "alertmanager", alertmanager_config(monitor_url, tmp / "secrets"), AUTH
         ) as am:
+            password = AUTH.password_file(tmp / "secrets" / "web-password")
             (layout / "deploy" / "prometheus.yml").write_text(
-                prometheus_config(monitor_url, am.url)
+                prometheus_config(monitor_url, am.url, dcgm.instance, password)
             )
             prom = start_prometheus(layout, tmp / "tsdb")
             with running(prom, "Prometheus", 30):
@@ -305,8 +328,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
                     "the fp8 run's FP8 health in Prometheus",
                     interval=0.5,
                 )
+                wait_for(
+                    lambda: prom.api("query", query=DCGM_JOIN)["result"],
+                    30,
+                    "DCGM's series joined with fp16's GPU",
+                    interval=0.5,
+                )
                 yield Stack(prom, monitor_url, runs, started)
     finally:
+        dcgm.close()
         stop_process(monitor)
         for agent in agents:
             stop_process(agent)
@@ -448,3 +478,18 @@ def test_the_alertmanager_webhook_rolled_the_run_back(stack: Stack) -> None:
     # the rollback went through the run's control socket with the monitor's request id
     commands = [e for e in events(stack.runs / "sup") if e.get("event") == "command"]
     assert [(c["cmd"], c["id"]) for c in commands] == [("rollback", action["id"])]
+
+
+def test_dcgm_s_series_join_the_run_on_its_gpu(stack: Stack) -> None:
+    """The stand-in DCGM exporter's GPU 0 is fp16's (same Hostname and gpu); GPU 1 trains
+    nothing, so the join leaves it out."""
+    joined = stack.prom.api("query", query=DCGM_JOIN)["result"]
+    assert [
+        (r["metric"]["run_id"], r["metric"]["rank"], r["metric"]["gpu"], r["metric"]["UUID"])
+        for r in joined
+    ] == [("fp16", "0", "0", IDENTITY["UUID"])]
+    assert float(joined[0]["value"][1]) == 612.5
+    (info,) = stack.prom.api("query", query='lossguard_gpu_info{run_id="fp16"}')["result"]
+    assert info["metric"]["Hostname"] == socket.gethostname()
+    assert info["metric"]["modelName"] == IDENTITY["modelName"]
+    assert not stack.prom.api("query", query='ALERTS{alertname="GPUXidError"}')["result"]

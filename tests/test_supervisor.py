@@ -16,6 +16,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from lossguard.common.control.client import ControlClient
+from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
 from lossguard.supervisor.budget import RestartBudget
 from lossguard.supervisor.resume import ResumePlanner, step_reached
@@ -31,7 +32,7 @@ from tests.conftest import (
 
 # A stand-in training command: counts its starts in starts.txt, records the checkpoint it was
 # told to resume from, then behaves as the file behaviour.txt says: "exit N" (after writing a
-# line to stderr), "hang", or "train" (run until SIGTERM, then exit 0, as the agent does).
+# line to stderr), "hang", or "train" (run until SIGTERM, then exit 3, stopped, as the agent does).
 COMMAND = textwrap.dedent(
     """
     import os, signal, sys, threading, pathlib
@@ -50,6 +51,7 @@ COMMAND = textwrap.dedent(
     (here / "child.pid").write_text(str(os.getpid()))
     stopped.wait()
     (here / "saved.txt").write_text("saved")
+    sys.exit(3)
     """
 )
 
@@ -119,7 +121,7 @@ def of_kind(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 def test_restarts_after_crashes_until_the_command_succeeds(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "behaviour.txt").write_text("exit 3")
+    (run_dir / "behaviour.txt").write_text("exit 70")
     supervisor = supervise(run_dir)
     try:
         wait_for(lambda: len(starts(run_dir)) >= 3, 30, "three starts")
@@ -129,13 +131,13 @@ def test_restarts_after_crashes_until_the_command_succeeds(tmp_path: Path) -> No
         series = supervisor_series(run_dir)
         crashes = series[("lossguard_supervisor_crashes_total", (("run_id", "run"),))]
         assert crashes == len(starts(run_dir)) - 1
-        supervisor.send_signal(signal.SIGTERM)  # preemption: forwarded, saved, not restarted
-        assert supervisor.wait(30) == 0
+        supervisor.send_signal(signal.SIGTERM)  # a stop: forwarded, saved, not restarted
+        assert supervisor.wait(30) == EXIT_STOPPED
     finally:
         stop_process(supervisor)
     assert (run_dir / "saved.txt").exists() and not pid_alive(child)
     crash = of_kind(run_dir, "crash")[0]
-    assert crash["exit"] == "exit code 3" and crash["source"] == "supervisor"
+    assert crash["exit"] == "exit code 70" and crash["source"] == "supervisor"
     assert "stand-in: failing on purpose" in crash["stderr_tail"]
     assert crash["resume_from"] is None  # no checkpoints: started afresh
     assert [e["reason"] for e in of_kind(run_dir, "restart")] == ["crash"] * crash_count(run_dir)
@@ -179,7 +181,7 @@ def test_crash_loop_stops_restarting_pages_and_waits_for_a_human(tmp_path: Path)
         request = of_kind(run_dir, "command")[-1]
         assert request["cmd"] == "restart" and request["args"] == {"reason": "fixed the data path"}
         supervisor.send_signal(signal.SIGTERM)
-        assert supervisor.wait(30) == 0
+        assert supervisor.wait(30) == EXIT_STOPPED
     finally:
         stop_process(supervisor)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from tests.bench_supervisor import chaos, supervise
 from tests.conftest import (
@@ -40,7 +41,7 @@ def test_killed_training_and_supervisor_end_bitwise_identical(
     assert result["identical"]
 
 
-def test_preemption_saves_and_nothing_is_restarted(tmp_path: Path, corpus_cache: Path) -> None:
+def test_a_stop_signal_saves_and_nothing_is_restarted(tmp_path: Path, corpus_cache: Path) -> None:
     settings = tiny_settings(
         tmp_path / "runs", corpus_cache, train={"max_steps": 10**6, "log_every": 1}
     )
@@ -49,7 +50,7 @@ def test_preemption_saves_and_nothing_is_restarted(tmp_path: Path, corpus_cache:
     try:
         wait_for(lambda: step_records(run_dir).keys() >= {5}, 120, "training")
         supervisor.send_signal(signal.SIGTERM)
-        assert supervisor.wait(120) == 0
+        assert supervisor.wait(120) == EXIT_STOPPED
     finally:
         stop_process(supervisor)
     trail = events(run_dir)

@@ -1,9 +1,11 @@
 """``CheckpointStore``: atomic, verified, retained checkpoints under ``run_dir/checkpoints``.
 
 A checkpoint is a folder ``step_XXXXXXXX`` holding ``state.pt`` (one ``torch.save`` dict) and
-``meta.json``. It is written under a hidden temporary name, fsynced and renamed into place, so it
-is visible only when complete; deletion renames it to a hidden trash name first. Hidden leftovers
-of a crash are removed when a store opens. Only one process writes to a store at a time.
+``meta.json``; a ``dcp`` checkpoint (``dcp_format``) holds every rank's files instead, written
+into a ``temp_folder`` and published by ``commit``. It is written under a hidden temporary
+name, fsynced and renamed into place, so it is visible only when complete; deletion renames it
+to a hidden trash name first. Hidden leftovers of a crash are removed when a store opens. Only
+one process publishes to a store at a time.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from lossguard.common.rundir.checkpoints import (
     META_FILE,
     NAME_RE,
+    REQUIRED_FILE,
     STATE_FILE,
+    TORCH_FORMAT,
     CheckpointError,
     CheckpointMeta,
     error_line,
@@ -56,6 +60,7 @@ _HIDDEN_PREFIXES = (".tmp-", ".trash-")
 # the package's name, as before it was split: log records and logging settings keep their logger
 log = logging.getLogger("lossguard.agent.checkpoint")
 
+T = TypeVar("T")
 OnDone = Callable[[CheckpointMeta | BaseException], None]
 
 
@@ -202,6 +207,12 @@ class CheckpointStore:
         assert state is not None  # no snapshots were offered
         return meta, state
 
+    def load_verified(self, target: str | int, before_step: int | None = None) -> CheckpointMeta:
+        """``load`` without reading the state: the first candidate whose files verify (a
+        ``dcp`` checkpoint, which every rank reads its part of)."""
+        meta, _ = self._first_usable(target, before_step, self._verify)
+        return meta
+
     def load_or_snapshot(
         self,
         target: str | int,
@@ -210,12 +221,21 @@ class CheckpointStore:
     ) -> tuple[CheckpointMeta, dict[str, Any] | None]:
         """``load`` among the checkpoints and ``snapshots`` (in memory): a snapshot chosen comes
         back with None, its state being the caller's to take from memory."""
+        return self._first_usable(target, before_step, self._read_state, snapshots)
+
+    def _first_usable(
+        self,
+        target: str | int,
+        before_step: int | None,
+        read: Callable[[CheckpointMeta], T],
+        snapshots: Sequence[CheckpointMeta] = (),
+    ) -> tuple[CheckpointMeta, T | None]:
         candidates = self.resolve(target, before_step, snapshots)
         for index, meta in enumerate(candidates):
             if is_in_memory(meta):
                 return meta, None
             try:
-                return meta, self._read_state(meta)
+                return meta, read(meta)
             except _Unusable as exc:
                 following = candidates[index + 1 : index + 2]
                 instead = f"trying {following[0].name}" if following else "no other candidate"
@@ -308,24 +328,47 @@ class CheckpointStore:
             log.exception("checkpoint on_done callback failed")
 
     def _save_now(self, payload: dict[str, Any], fields: dict[str, Any]) -> CheckpointMeta:
+        tmp = self.temp_folder(fields["name"])
+        try:
+            write_synced(tmp / STATE_FILE, lambda fh: torch.save(payload, fh))
+            if self.write_delay_s:
+                time.sleep(self.write_delay_s)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, Exception):
+                raise CheckpointError(
+                    f"checkpoint {fields['name']}: save failed ({error_line(exc)})"
+                ) from exc
+            raise
+        return self.commit(tmp, fields)
+
+    def temp_folder(self, name: str) -> Path:
+        """A new hidden folder for the files of checkpoint ``name``, invisible to readers
+        (and removed when a store opens) until ``commit``."""
+        tmp = self.root / f".tmp-{name}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(
+        self, tmp: Path, fields: dict[str, Any], checkpoint_format: str = TORCH_FORMAT
+    ) -> CheckpointMeta:
+        """Publish the complete files in ``tmp`` as a checkpoint: hash every file, write
+        ``meta.json``, fsync, rename into place, fsync the root; then apply retention. On
+        failure ``tmp`` is removed and CheckpointError names the checkpoint."""
         name = fields["name"]
         with self._lock:
             self._seq += 1
             seq = self._seq
         created_at = time.time()
-        tmp = self.root / f".tmp-{name}-{secrets.token_hex(4)}"
-        tmp.mkdir()
         try:
-            write_synced(tmp / STATE_FILE, lambda fh: torch.save(payload, fh))
-            if self.write_delay_s:
-                time.sleep(self.write_delay_s)
-            files = {STATE_FILE: sha256_file(tmp / STATE_FILE)}
+            files = {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()}
             meta = CheckpointMeta(
                 seq=seq,
                 created_at=created_at,
                 files=files,
                 config_hash=self.config_hash,
                 versions=dict(self.versions),
+                format=checkpoint_format,
                 **fields,
             )
             write_json_synced(tmp / META_FILE, meta.to_dict())
@@ -362,8 +405,9 @@ class CheckpointStore:
         return trash
 
     def _verify(self, meta: CheckpointMeta) -> None:
-        if STATE_FILE not in meta.files:
-            raise _Unusable(f"{STATE_FILE} is not listed in {META_FILE}")
+        required = REQUIRED_FILE[meta.format]
+        if required not in meta.files:
+            raise _Unusable(f"{required} is not listed in {META_FILE}")
         for file_name, expected in meta.files.items():
             try:
                 actual = sha256_file(self.root / meta.name / file_name)
@@ -375,6 +419,8 @@ class CheckpointStore:
                 raise _Unusable(f"sha256 mismatch in {file_name}")
 
     def _read_state(self, meta: CheckpointMeta) -> dict[str, Any]:
+        if meta.format != TORCH_FORMAT:
+            raise _Unusable(f"a {meta.format} checkpoint: it loads on every rank, not here")
         self._verify(meta)
         path = self.root / meta.name / STATE_FILE
         try:

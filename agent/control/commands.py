@@ -103,18 +103,18 @@ class CommandRunner:
         self.world_size = world_size
 
     def gather(
-        self, *, wait: bool, signalled: bool
-    ) -> tuple[list[tuple[Request, PendingCommand | None]], bool]:
-        """This boundary's commands, the same on every rank, and whether a rank was signalled
-        (``signalled``: this one was)."""
+        self, *, wait: bool, signalled: int
+    ) -> tuple[list[tuple[Request, PendingCommand | None]], int]:
+        """This boundary's commands, the same on every rank, and the largest stop-signal kind
+        of any rank (``signalled``: this one's, ``StopSignals.kind``)."""
         control = self.control
         pending = control.take(PAUSED_WAIT_S if wait else 0.0) if control is not None else []
-        count, any_signalled = all_reduce_max([len(pending), int(signalled)], self.group)
+        count, any_signalled = all_reduce_max([len(pending), signalled], self.group)
         requests = [p.request for p in pending]
         if count and self.world_size > 1:
             requests = broadcast_objects([requests], self.group)[0]
         handles: list[PendingCommand | None] = list(pending) or [None] * len(requests)
-        return list(zip(requests, handles, strict=True)), bool(any_signalled)
+        return list(zip(requests, handles, strict=True)), int(any_signalled)
 
     def apply(self, request: Request, pending: PendingCommand | None) -> None:
         """Run one command on this rank; rank 0 records it and answers the client."""

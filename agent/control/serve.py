@@ -8,7 +8,13 @@ from pathlib import Path
 
 from lossguard.agent.config import ControlConfig
 from lossguard.common.config import ConfigError
-from lossguard.common.control.server import ControlServer, ListenError, PendingCommand, RejectHook
+from lossguard.common.control.server import (
+    ControlServer,
+    ListenError,
+    PendingCommand,
+    RefusedHook,
+    RejectHook,
+)
 from lossguard.common.rundir.names import SOCKET_NAME
 
 
@@ -17,6 +23,7 @@ def serve_control(
     run_dir: Path,
     on_reject: RejectHook | None = None,
     answered: Iterable[PendingCommand] = (),
+    on_refused: RefusedHook | None = None,
 ) -> ControlServer | None:
     """Start the control server that ``config`` asks for (None: neither socket nor TCP).
     A listener that cannot start is a ConfigError that names the key."""
@@ -32,6 +39,7 @@ def serve_control(
             tcp=tcp,
             token=os.environ.get(config.token_env) if tcp else None,
             on_reject=on_reject,
+            on_refused=on_refused,
             answered=answered,
         )
     except ListenError as exc:

@@ -51,8 +51,9 @@ class LossguardCallback(GuardedCallback, TrainerCallback):
         optimizer = kwargs["optimizer"]
         if args.deepspeed or args.fsdp:
             raise ValueError(
-                "LossguardCallback: DeepSpeed and FSDP shard the gradients; the callback "
-                "supports one process and DDP"
+                "LossguardCallback: DeepSpeed and FSDP (accelerate's FSDP2 too) shard the "
+                "gradients; the callback supports one process and DDP (sharded runs: Guard in "
+                "your own loop or lossguard-agent run, docs/sharded.md)"
             )
         if "wandb" in (args.report_to or []):
             framework_wandb_conflict(FRAMEWORK, self.config)

@@ -60,7 +60,8 @@ class LossguardCallback(GuardedCallback, pl.Callback):
         if not isinstance(trainer.strategy, SingleDeviceStrategy | DDPStrategy):
             raise ValueError(
                 f"LossguardCallback: strategy {type(trainer.strategy).__name__} is not "
-                "supported; the callback supports one device and DDP"
+                "supported; the callback supports one device and DDP (sharded runs: Guard in "
+                "your own loop or lossguard-agent run, docs/sharded.md)"
             )
         if len(trainer.optimizers) != 1:
             raise ValueError(

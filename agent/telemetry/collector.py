@@ -20,6 +20,7 @@ from torch import nn
 
 from lossguard.agent.config import Config
 from lossguard.agent.distributed import all_gather_objects
+from lossguard.agent.dtensors import is_sharded
 from lossguard.agent.telemetry.exporter import Exporter
 from lossguard.agent.telemetry.fp8_fidelity import Fp8Fidelity, Replay
 from lossguard.agent.telemetry.fp8_health import TENSORS as FP8_TENSORS
@@ -29,6 +30,7 @@ from lossguard.agent.telemetry.hardware import Nvml, Peak, memory_stats, resolve
 from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeDetector
 from lossguard.common import __version__
 from lossguard.common.catalogue import MEMORY_KINDS, SIGNALS
+from lossguard.common.config import ConfigError
 from lossguard.common.registry import AgentMetrics
 from lossguard.common.rundir.checkpoints import CheckpointMeta
 from lossguard.common.rundir.directory import git_commit
@@ -107,6 +109,9 @@ class Telemetry:
         }
         self.nvml = Nvml(device)
         self.metrics = AgentMetrics(run_id, rank, nvml=self.nvml.available)
+        identity = self.nvml.identity()
+        if identity is not None:  # the join key with DCGM's series: host name and GPU
+            self.metrics.set("gpu_info", 1, Hostname=socket.gethostname(), **identity)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         port = cfg.port + local_rank if cfg.port else 0
         self.exporter = Exporter.start(self.metrics.registry, cfg.host, port)
@@ -120,6 +125,11 @@ class Telemetry:
             self.fp8 = Fp8Health(model, config.precision.fp8_recipe)
         fidelity = cfg.fp8_fidelity
         on = fidelity.enabled and precision == "fp8"
+        if on and is_sharded(model):
+            raise ConfigError(
+                "telemetry.fp8_fidelity.enabled: the check's shadow is a whole copy of the "
+                "model: not with a sharded (FSDP2 / HSDP) model"
+            )
         self.fidelity = Fp8Fidelity(model, fidelity.dtype) if on else None
         self._fidelity_layer: str | None = None
         self._warned_no_replay = False
@@ -376,6 +386,9 @@ class Telemetry:
         self.metrics.inc("control_commands", command=command, result="ok" if ok else "error")
         if ok and command == "rollback":
             self.metrics.inc("rollbacks")
+
+    def control_refused(self, reason: str) -> None:
+        self.metrics.inc("control_refusals", reason=reason)
 
     def paused(self, paused: bool) -> None:
         self.metrics.set("paused", int(paused))

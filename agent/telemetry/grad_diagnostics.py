@@ -2,7 +2,9 @@
 
 ``collect()`` runs after a sampled step's backward and before its optimizer step, while the
 gradients are present. It needs no hooks and costs nothing on other steps. Each statistic is a
-torch op on the gradient's device; all of them are stacked and read to the host once.
+torch op on the gradient's device; all of them are stacked and read to the host once. Under
+FSDP2 / HSDP each rank takes the statistics of its shards and two collectives (a sum, a max)
+combine them, on sampled steps only.
 
 Per parameter tensor with a gradient:
 
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from lossguard.agent.config import GradDiagnosticsConfig
+from lossguard.agent.dtensors import DTensor, reduce_shard_stats, shard_stats
 
 STATS = ("l2", "max", "dead_fraction")
 
@@ -50,9 +53,15 @@ class GradDiagnostics:
         """Per-parameter statistics, the vanishing/exploding counts and the top-k by L2."""
         names: list[str] = []
         rows: list[torch.Tensor] = []
+        sharded_names: list[str] = []
+        sharded: list[tuple[torch.Tensor, float]] = []
         for name, param in self._params:
             grad = param.grad
             if grad is None or grad.is_sparse or grad.numel() == 0:
+                continue
+            if isinstance(grad, DTensor):  # FSDP2 / HSDP: this rank's shard, reduced below
+                sharded_names.append(name)
+                sharded.append(shard_stats(grad, name in self._neuron_rows))
                 continue
             grad = grad.detach()
             l2 = torch.linalg.vector_norm(grad, dtype=torch.float32)
@@ -63,6 +72,9 @@ class GradDiagnostics:
                 dead = torch.zeros((), device=grad.device)
             names.append(name)
             rows.append(torch.stack([l2, gmax, dead]))
+        if sharded:
+            names += sharded_names
+            rows += list(reduce_shard_stats(sharded))
         if not rows:
             return {"layers": {}, "vanishing": 0, "exploding": 0, "top": []}
         device = rows[0].device

@@ -250,6 +250,23 @@ class Nvml:
         """Whether NVML is initialised with a handle on this device."""
         return self._nvml is not None
 
+    def identity(self) -> dict[str, str] | None:
+        """The GPU as DCGM's exporter labels it: ``gpu`` (NVML's index, not CUDA's), ``UUID``
+        and ``modelName``; None where NVML is absent or a query fails."""
+        if self._nvml is None:
+            return None
+        nvml, handle = self._nvml, self._handle
+        try:
+            found = {
+                "gpu": nvml.nvmlDeviceGetIndex(handle),
+                "UUID": nvml.nvmlDeviceGetUUID(handle),
+                "modelName": nvml.nvmlDeviceGetName(handle),
+            }
+        except nvml.NVMLError as exc:
+            log.debug("NVML identity failed: %s", exc)
+            return None
+        return {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in found.items()}
+
     def sample(self) -> dict[str, float] | None:
         """Current readings, or None where NVML is absent or a query fails."""
         if self._nvml is None:

@@ -27,10 +27,19 @@ class BenchResult:
     params: int
     tokens_per_step: int
     step_seconds: float
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_per_step / self.step_seconds
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOP/s over the peak of the precision's matmuls (as the telemetry's MFU)."""
+        if self.flops_per_token is None or not self.peak_flops:
+            return None
+        return self.tokens_per_second * self.flops_per_token / self.peak_flops
 
 
 def _synchronize(device: torch.device) -> None:
@@ -43,6 +52,7 @@ def bench_precision(cfg: Config, steps: int, warmup: int) -> BenchResult:
     from lossguard.agent.train.trainer import Trainer
 
     trainer = Trainer(cfg, progress=False)
+    telemetry = trainer.guard.telemetry
     try:
         if warmup:
             timed_block(trainer, warmup)
@@ -55,6 +65,8 @@ def bench_precision(cfg: Config, steps: int, warmup: int) -> BenchResult:
         params=trainer.raw_model.num_params(),
         tokens_per_step=trainer.sampler.tokens_per_step * trainer.dist.world_size,
         step_seconds=step_seconds,
+        flops_per_token=telemetry.flops_per_token if telemetry else None,
+        peak_flops=telemetry.peak.flops if telemetry and telemetry.peak else None,
     )
 
 
@@ -279,9 +291,10 @@ def results_table(results: Sequence[BenchResult], steps: int) -> Table:
     table = Table(title=f"lossguard bench ({steps} timed steps)")
     for column in ("precision", "device"):
         table.add_column(column)
-    for column in ("params", "tokens/step", "step ms", "tokens/s", "vs first"):
+    for column in ("params", "tokens/step", "step ms", "tokens/s", "vs first", "MFU"):
         table.add_column(column, justify="right")
     for r in results:
+        mfu = r.mfu
         table.add_row(
             r.precision,
             r.device,
@@ -290,6 +303,7 @@ def results_table(results: Sequence[BenchResult], steps: int) -> Table:
             f"{r.step_seconds * 1e3:.1f}",
             f"{r.tokens_per_second:,.0f}",
             f"{r.tokens_per_second / base:.2f}x",
+            "-" if mfu is None else f"{mfu:.3f}",
         )
     return table
 

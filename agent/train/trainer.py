@@ -26,13 +26,20 @@ from lossguard.agent.distributed import (
     teardown_distributed,
 )
 from lossguard.agent.guard import Guard
-from lossguard.agent.precision import autocast, convert_to_fp8, make_grad_scaler
+from lossguard.agent.precision import (
+    autocast,
+    convert_to_fp8,
+    fp8_all_gather,
+    make_grad_scaler,
+    precompute_fp8_scales,
+)
 from lossguard.agent.startup import resume_target
 from lossguard.agent.train.corpus import Batch, BatchSampler, load_data
 from lossguard.agent.train.faults import FaultInjector
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.optim import WeightEma, build_optimizer, build_scheduler
+from lossguard.agent.train.sharding import device_mesh, gradient_sync, shard_gpt
 from lossguard.common.config import ConfigError
 from lossguard.common.control.protocol import Target
 from lossguard.common.control.server import socket_is_live
@@ -107,7 +114,7 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         if resuming and cfg.run.id is None:
             raise ConfigError("run.id: required to resume (the run directory is <run.dir>/<id>)")
-        self.dist = setup_distributed(cfg.run.device)
+        self.dist = setup_distributed(cfg.run.device, always=cfg.distributed.sharded)
         self.device = self.dist.device
         cfg = cfg.model_copy(deep=True)
         cfg.run.id = broadcast_from_main(cfg.run.id or new_run_id())
@@ -139,10 +146,18 @@ class Trainer:
         )
 
         self.raw_model = GPT(cfg.model, self.data.vocab_size)
+        self.n_params = self.raw_model.num_params()
+        sharded = cfg.distributed.sharded
         self.fp8_layers = 0
+        self.fp8_all_gather = fp8_all_gather(cfg.precision, self.device, sharded)
         if cfg.precision.dtype == "fp8":
-            self.fp8_layers = convert_to_fp8(self.raw_model, cfg.precision, self.device)
+            self.fp8_layers = convert_to_fp8(
+                self.raw_model, cfg.precision, self.device, all_gather=self.fp8_all_gather
+            )
         self.raw_model.to(self.device)
+        if sharded:
+            mesh = device_mesh(cfg.distributed, self.dist.world_size, self.device)
+            shard_gpt(self.raw_model, cfg.distributed, cfg.precision.dtype, mesh)
         torch.manual_seed(cfg.run.seed + self.dist.rank)  # dropout differs across ranks
         self.ema = WeightEma(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.optimizer = build_optimizer(self.raw_model, cfg.train)
@@ -151,7 +166,7 @@ class Trainer:
         model: nn.Module = self.raw_model
         if cfg.model.compile:
             model = torch.compile(model)  # type: ignore[assignment]
-        if self.dist.enabled:
+        if self.dist.enabled and not sharded:
             ids = [self.dist.local_rank] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
         self.model = model
@@ -181,7 +196,7 @@ class Trainer:
                 overwrite=overwrite,
                 progress=progress,
                 flops_per_token=flops_per_token(
-                    self.raw_model.num_params(),
+                    self.n_params,
                     cfg.model.n_layer,
                     cfg.model.n_head,
                     cfg.model.n_embd // cfg.model.n_head,
@@ -203,14 +218,15 @@ class Trainer:
             self.guard.register("early_stopping", self.early_stopping)
         if self.dist.is_main:
             log.info(
-                "run %s: %s; model %.2fM params (%d fp8 layers); %s on %s x%d; %d tokens/step",
+                "run %s: %s; model %.2fM params (%d fp8 layers); %s on %s x%d (%s); %d tokens/step",
                 cfg.run.id,
                 self.data.description,
-                self.raw_model.num_params() / 1e6,
+                self.n_params / 1e6,
                 self.fp8_layers,
                 cfg.precision.dtype,
                 self.device,
                 self.dist.world_size,
+                cfg.distributed.strategy,
                 self.sampler.tokens_per_step * self.dist.world_size,
             )
 
@@ -224,8 +240,10 @@ class Trainer:
     def _micro_step_context(
         self, model: nn.Module, micro: int
     ) -> contextlib.AbstractContextManager[None]:
-        """Skip DDP's gradient all-reduce on all but the last micro-batch."""
+        """Skip DDP's gradient all-reduce (FSDP2's reduce-scatter) on all but the last
+        micro-batch."""
         last = micro == self.cfg.train.grad_accum - 1
+        gradient_sync(model, last)
         if isinstance(model, DistributedDataParallel) and not last:
             return model.no_sync()
         return contextlib.nullcontext()
@@ -248,6 +266,8 @@ class Trainer:
                 self.scaler.update()
             else:
                 self.optimizer.step()
+        if self.fp8_all_gather:
+            precompute_fp8_scales(self.raw_model)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:

@@ -20,12 +20,17 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from lossguard.common.config import describe_validation_error
+from lossguard.common.jsondepth import TooDeep, load_bounded
 from lossguard.common.rundir.checkpoints import NAME_RE
 from lossguard.common.rundir.targets import MEMORY_PREFIX, NAMED_TARGETS
 
 PROTOCOL_VERSION = 1
 MAX_LINE_BYTES = 64 * 1024
 MAX_ID_LENGTH = 128
+
+
+MIN_TOKEN_LENGTH = 16
+"""The shortest bearer token a TCP control listener accepts (``openssl rand -hex 32`` makes 64)."""
 
 
 class ErrorCode(str, Enum):
@@ -185,7 +190,9 @@ def parse_request(line: bytes, commands: Mapping[str, type[CommandArgs]] = COMMA
     if len(line) > MAX_LINE_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"request exceeds {MAX_LINE_BYTES} bytes")
     try:
-        message = json.loads(line)
+        message = load_bounded(line)
+    except TooDeep as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"not valid JSON: {exc}") from None
     if not isinstance(message, dict):

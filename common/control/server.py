@@ -8,20 +8,24 @@ Bad input gets an error reply or a closed connection, never an exception in the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 import os
 import socket
 import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from lossguard.common.control.gate import PeerGate
 from lossguard.common.control.protocol import (
     COMMAND_ARGS,
     MAX_LINE_BYTES,
+    MIN_TOKEN_LENGTH,
     CommandArgs,
     ErrorCode,
     ProtocolError,
@@ -31,15 +35,18 @@ from lossguard.common.control.protocol import (
     ok_reply,
     parse_request,
 )
+from lossguard.common.jsondepth import load_bounded
 from lossguard.common.rundir.events import COMMAND
 
 log = logging.getLogger("lossguard.agent.control")
 
-MAX_CONNECTIONS = 32
+MAX_CONNECTIONS = 32  # authenticated TCP peers and Unix socket clients
 REMEMBERED_IDS = 4096
+AUTH_DEADLINE_S = 5.0  # a TCP peer's first line, with the token, must arrive within this
 IDLE_TIMEOUT_S = 60.0
 SEND_TIMEOUT_S = 10.0
 UNIX_PATH_MAX = 107
+UNAUTHORIZED_MESSAGE = "a valid token is required over TCP"
 
 
 class PendingCommand:
@@ -88,6 +95,9 @@ class ListenError(OSError):
 
 
 RejectHook = Callable[[str | None, ErrorCode, str], None]
+RefusedHook = Callable[[str], None]
+"""Told of each connection or request refused before authentication, with the reason
+(``CONTROL_REFUSALS``): counted, never an audit line each."""
 
 
 class ControlServer:
@@ -100,18 +110,25 @@ class ControlServer:
         tcp: tuple[str, int] | None = None,
         token: str | None = None,
         on_reject: RejectHook | None = None,
+        on_refused: RefusedHook | None = None,
         answered: Iterable[PendingCommand] = (),
         commands: Mapping[str, type[CommandArgs]] = COMMAND_ARGS,
     ) -> None:
         """``answered``: commands applied before this server started, whose ids are answered
         from their results and never applied again; ``commands``: what this server accepts
-        (the agent's commands by default; the supervisor serves its own)."""
-        if tcp is not None and not token:
-            raise ValueError("a TCP control listener needs a token")
+        (the agent's commands by default; the supervisor serves its own). Over TCP a peer's
+        first line must carry the token within AUTH_DEADLINE_S (:class:`PeerGate` limits the
+        peers still to show it and spaces out their attempts after failures)."""
+        if tcp is not None and (not token or len(token) < MIN_TOKEN_LENGTH):
+            raise ValueError(
+                f"a TCP control listener needs a token of at least {MIN_TOKEN_LENGTH} characters"
+            )
         self.socket_path = socket_path
         self._token = token
         self._commands = commands
         self._on_reject = on_reject
+        self._on_refused = on_refused
+        self._gate = PeerGate()
         self._listeners: list[tuple[socket.socket, bool]] = []  # (socket, needs_token)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -170,21 +187,64 @@ class ControlServer:
     def _accept_loop(self, listener: socket.socket, needs_token: bool) -> None:
         while not self._stopping.is_set():
             try:
-                conn, _ = listener.accept()
+                conn, address = listener.accept()
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                _send_quietly(conn, error_reply(None, ErrorCode.BUSY, "too many connections"))
-                conn.close()
+            if needs_token:
+                peer = str(address[0])
+                self._gate.enter(conn, functools.partial(_cut_off, conn))
+                target: Callable[..., None] = self._authenticate
+                args: tuple[Any, ...] = (conn, peer)
+            elif not self._slots.acquire(blocking=False):
+                self._refuse(conn, "busy", "too many connections")
                 continue
-            threading.Thread(
-                target=self._serve_connection, args=(conn, needs_token), daemon=True
-            ).start()
+            else:
+                target, args = self._serve_connection, (conn, False)
+            threading.Thread(target=target, args=args, daemon=True).start()
 
-    def _serve_connection(self, conn: socket.socket, needs_token: bool) -> None:
+    def _authenticate(self, conn: socket.socket, peer: str) -> None:
+        """A TCP peer's first line: served on (in an authenticated slot) when it carries the
+        token, else refused and closed; judged only once the peer's back-off has passed."""
+        try:
+            first, rest = _first_line(conn, AUTH_DEADLINE_S)
+            if first is None:
+                self._refused("timeout")
+                conn.close()
+                return
+            if self._stopping.wait(self._gate.wait_s(peer)):
+                conn.close()
+                return
+            if not _token_matches(_token_of(first), self._token):
+                self._gate.failed(peer)
+                self._refuse(conn, "unauthorized", UNAUTHORIZED_MESSAGE)
+                return
+            self._gate.succeeded(peer)
+        except OSError:
+            conn.close()
+            return
+        finally:
+            self._gate.leave(conn)
+        if not self._slots.acquire(blocking=False):
+            self._refuse(conn, "busy", "too many connections")
+            return
+        self._serve_connection(conn, True, first + b"\n" + rest)
+
+    def _refuse(self, conn: socket.socket, reason: str, message: str) -> None:
+        """Answer and close a connection refused before it was served."""
+        self._refused(reason)
+        code = ErrorCode.BUSY if reason == "busy" else ErrorCode.UNAUTHORIZED
+        _send_quietly(conn, error_reply(None, code, message))
+        conn.close()
+
+    def _refused(self, reason: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused(reason)
+
+    def _serve_connection(self, conn: socket.socket, needs_token: bool, read: bytes = b"") -> None:
+        """Serve request lines (``read``: received already) until the peer closes."""
         try:
             conn.settimeout(IDLE_TIMEOUT_S)
-            for line in _read_lines(conn):
+            for line in _read_lines(conn, read):
                 if line is None:
                     reply = error_reply(
                         None, ErrorCode.TOO_LARGE, f"request exceeds {MAX_LINE_BYTES} bytes"
@@ -209,9 +269,8 @@ class ControlServer:
         try:
             request = parse_request(line, self._commands)
             if needs_token and not _token_matches(request.token, self._token):
-                raise ProtocolError(
-                    ErrorCode.UNAUTHORIZED, "a valid token is required over TCP", request.id
-                )
+                self._refused("unauthorized")
+                return error_reply(request.id, ErrorCode.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
             pending = self._enqueue(request)
         except ProtocolError as exc:
             if self._on_reject is not None:
@@ -246,23 +305,60 @@ def _token_matches(given: str | None, expected: str | None) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def _read_lines(conn: socket.socket) -> Iterator[bytes | None]:
-    """Yield request lines; ``None`` for a line over the limit. A final line without a newline
-    (the peer half-closed after writing) still counts."""
+def _token_of(line: bytes) -> str | None:
+    """The ``token`` of a request line, whatever else is wrong with it (None: it has none)."""
+    try:
+        message = load_bounded(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    token = message.get("token") if isinstance(message, dict) else None
+    return token if isinstance(token, str) else None
+
+
+def _first_line(conn: socket.socket, within_s: float) -> tuple[bytes | None, bytes]:
+    """The first request line and what came after it, read within ``within_s`` seconds
+    (however slowly the peer sends); None: no whole line in time, or one over the limit. A
+    line the peer ended by half-closing counts."""
+    deadline = time.monotonic() + within_s
     buffer = b""
+    while b"\n" not in buffer:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(buffer) > MAX_LINE_BYTES:
+            return None, b""
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(MAX_LINE_BYTES)
+        except TimeoutError:
+            return None, b""
+        if not chunk:
+            return (buffer or None) if len(buffer) <= MAX_LINE_BYTES else None, b""
+        buffer += chunk
+    line, rest = buffer.split(b"\n", 1)
+    return (line if len(line) <= MAX_LINE_BYTES else None), rest
+
+
+def _read_lines(conn: socket.socket, buffer: bytes = b"") -> Iterator[bytes | None]:
+    """Yield request lines (``buffer``: received already); ``None`` for a line over the
+    limit. A final line without a newline (the peer half-closed after writing) still counts."""
     while True:
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            yield line if len(line) <= MAX_LINE_BYTES else None
         chunk = conn.recv(MAX_LINE_BYTES)
         if not chunk:
             if buffer:
                 yield buffer if len(buffer) <= MAX_LINE_BYTES else None
             return
         buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            yield line if len(line) <= MAX_LINE_BYTES else None
-        if len(buffer) > MAX_LINE_BYTES:
+        if b"\n" not in buffer and len(buffer) > MAX_LINE_BYTES:
             yield None
             return
+
+
+def _cut_off(conn: socket.socket) -> None:
+    """End a connection from another thread (its reader sees the end and closes it)."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 def _send_quietly(conn: socket.socket, reply: dict[str, Any]) -> None:

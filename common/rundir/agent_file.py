@@ -11,9 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-RunExit = Literal["completed", "stopped", "failed"]
-"""How a run ended: completed its steps, stopped on purpose (command or signal), or failed."""
-ENDED_CLEANLY: tuple[RunExit, ...] = ("completed", "stopped")
+RunExit = Literal["completed", "stopped", "preempted", "failed"]
+"""How a run ended: completed its steps, stopped on purpose (command or signal), preempted (the
+preempt signal, SIGUSR1: state saved, to be requeued), or failed."""
+ENDED_CLEANLY: tuple[RunExit, ...] = ("completed", "stopped", "preempted")
 """Runs that ended on purpose. A run that failed, or never wrote ``exit`` (killed), did not."""
 
 

@@ -16,6 +16,12 @@ from typing import Any
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+TORCH_FORMAT = "torch"
+DCP_FORMAT = "dcp"
+REQUIRED_FILE = {TORCH_FORMAT: STATE_FILE, DCP_FORMAT: ".metadata"}
+"""Per checkpoint format, the file without which a checkpoint is unusable: ``torch`` is one
+``state.pt``; ``dcp`` is torch.distributed.checkpoint's files (``.metadata`` and every rank's
+shards) beside each rank's ``rank_K.pt``."""
 MAX_STEP = 10**8 - 1
 NAME_RE = re.compile(r"^step_([0-9]{8})$")
 """A checkpoint's folder name; the group is its step."""
@@ -58,6 +64,8 @@ class CheckpointMeta:
     config_hash: str | None
     versions: dict[str, str | None]
     extra: dict[str, Any]
+    format: str = TORCH_FORMAT
+    """``torch`` or ``dcp``; absent in ``meta.json`` written before there were two: torch."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +141,9 @@ def _parse_meta(data: Any) -> CheckpointMeta:
     if data["name"] != checkpoint_name(data["step"]):
         raise ValueError(f"{META_FILE} name {data['name']!r} does not match step {data['step']}")
     values = {key: data[key] for key in _FIELD_CHECKS}
+    values["format"] = data.get("format", TORCH_FORMAT)
+    if values["format"] not in REQUIRED_FILE:
+        raise ValueError(f"{META_FILE} has an unknown format: {reprlib.repr(values['format'])}")
     for key in _FLOAT_FIELDS:
         values[key] = None if values[key] is None else float(values[key])
     return CheckpointMeta(**values)

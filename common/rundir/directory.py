@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 
 from lossguard.common import __version__
+from lossguard.common.config import ConfigError
+from lossguard.common.ownership import PRIVATE_DIR, claim_directory
 from lossguard.common.rundir.agent_file import AgentInfo, RunExit
 from lossguard.common.rundir.files import fsync_dir, write_atomically
 from lossguard.common.rundir.jsonl import JsonlLog, read_jsonl
@@ -84,13 +86,22 @@ def set_aside(path: Path) -> Path | None:
 
 
 class RunDirectory:
-    """``runs/<run_id>/``: written by rank 0 only."""
+    """``runs/<run_id>/``: written by rank 0 only. Private by default: the directory is 0700
+    and the records written in it 0600 (``mode``: another directory mode, say 0750 to let a
+    group read, whose files are then 0640). A directory another user owns, or that others may
+    write, is refused (ConfigError naming it): its files would be theirs to forge."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mode: int | None = None) -> None:
+        """``mode``: the directory's mode (None: 0700 when created, an existing one kept)."""
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.metrics = JsonlLog(self.path / METRICS_LOG)
-        self.events = JsonlLog(self.path / EVENTS_LOG)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            claim_directory(self.path, mode)
+        except ValueError as exc:
+            raise ConfigError(f"run.dir: {exc}") from None
+        self.file_mode = (PRIVATE_DIR if mode is None else mode) & 0o666
+        self.metrics = JsonlLog(self.path / METRICS_LOG, self.file_mode)
+        self.events = JsonlLog(self.path / EVENTS_LOG, self.file_mode)
 
     def read_events(self) -> list[dict[str, Any]]:
         """The audit trail so far; a line torn by a crash is left out."""
@@ -98,7 +109,7 @@ class RunDirectory:
 
     def write_config(self, resolved: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(dict(resolved), sort_keys=False)
-        write_atomically(self.path / CONFIG_FILE, text)
+        write_atomically(self.path / CONFIG_FILE, text, mode=self.file_mode)
 
     def write_env(self, device: Mapping[str, Any], world_size: int) -> None:
         env = {
@@ -112,7 +123,9 @@ class RunDirectory:
             "git_commit": git_commit(),
             "argv": sys.argv,
         }
-        write_atomically(self.path / ENV_FILE, json.dumps(env, indent=2) + "\n")
+        write_atomically(
+            self.path / ENV_FILE, json.dumps(env, indent=2) + "\n", mode=self.file_mode
+        )
 
     def write_discovery(
         self,
@@ -133,7 +146,7 @@ class RunDirectory:
             world_size=world_size,
             version=__version__,
         )
-        write_atomically(self.path / AGENT_FILE, info.to_json())
+        write_atomically(self.path / AGENT_FILE, info.to_json(), mode=self.file_mode)
 
     def mark_finished(self, exit: RunExit) -> None:
         """Record in ``agent.json`` how the run ended (completed, stopped or failed), so a
@@ -142,7 +155,7 @@ class RunDirectory:
         if not path.exists():
             return
         info = AgentInfo.parse(path.read_bytes()).finished(exit, at=time.time())
-        write_atomically(path, info.to_json())
+        write_atomically(path, info.to_json(), mode=self.file_mode)
 
     def close(self) -> None:
         self.metrics.close()

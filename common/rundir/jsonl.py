@@ -27,8 +27,9 @@ class JsonlLog:
     """An append-only JSON-lines file, safe to write from several threads; each line is
     flushed, so a crash loses at most the line being written."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mode: int = 0o600) -> None:
         self.path = path
+        self.mode = mode  # of the file, when this creates it
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
 
@@ -36,7 +37,8 @@ class JsonlLog:
         line = json.dumps(record, allow_nan=True, default=str) + "\n"
         with self._lock:
             if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, self.mode)
+                self._file = open(fd, "a", encoding="utf-8")  # noqa: SIM115
             self._file.write(line)
             self._file.flush()
 

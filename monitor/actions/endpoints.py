@@ -9,9 +9,10 @@ import os
 from pathlib import Path
 
 from lossguard.common.control.client import ControlClient
+from lossguard.common.rundir.names import SUPERVISOR_FILE, SUPERVISOR_SOCKET
 from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from lossguard.monitor.actions.policy import ActionsConfig
-from lossguard.monitor.sources.discovery import DiscoveredTarget, discover_agents
+from lossguard.monitor.sources.discovery import DiscoveredTarget, discover_agents, distrusted
 
 
 class NoEndpoint(Exception):
@@ -43,10 +44,16 @@ class Endpoints:
         run_dir = self.run_dir(run_id)
         if run_dir is None:
             raise NoEndpoint(f"run {run_id}: no run directory under the runs root, no supervisor")
-        info = SupervisorInfo.read(run_dir)
+        why = distrusted(run_dir / SUPERVISOR_FILE)
+        info = SupervisorInfo.read(run_dir) if why is None else None
         if info is None or info.socket is None:
-            raise NoEndpoint(f"run {run_id} has no supervisor (run it under lossguard-supervise)")
-        return ControlClient(socket_path=Path(info.socket), timeout=self.timeout_s)
+            raise NoEndpoint(
+                f"run {run_id} has no supervisor (run it under lossguard-supervise)"
+                if why is None
+                else f"run {run_id}: its supervisor.json is not believed: {why}"
+            )
+        # the run directory's own socket, whatever the file names
+        return ControlClient(socket_path=run_dir / SUPERVISOR_SOCKET, timeout=self.timeout_s)
 
     def ctl_target(self, run_id: str) -> list[str] | None:
         """How ``lossguard-ctl`` reaches the run (None: not known here)."""

@@ -8,19 +8,22 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from lossguard.common.config import seconds
+from lossguard.common.printable import escaped
 from lossguard.common.rundir.names import EVENTS_LOG
+from lossguard.monitor.actions.corroborate import Corroborator
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
 from lossguard.monitor.actions.endpoints import Endpoints
 from lossguard.monitor.actions.exhausted import ExhaustedPages
 from lossguard.monitor.actions.intake import IncomingAlert
-from lossguard.monitor.actions.model import ActionAlert
+from lossguard.monitor.actions.model import ActionAlert, ActionRecord
 from lossguard.monitor.actions.next_steps import next_steps
 from lossguard.monitor.actions.planner import ActionPlanner
-from lossguard.monitor.actions.policy import ACTION_LABEL, ActionsConfig
+from lossguard.monitor.actions.policy import ACTION_LABEL, ACTIONS, ActionsConfig
 from lossguard.monitor.actions.runner import ActionRunner, Done, Observe
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo
@@ -30,6 +33,15 @@ from lossguard.monitor.state import StateStore
 
 log = logging.getLogger("lossguard.monitor.actions")
 EXTERNAL_TTL_S = 24 * 3600  # an Alertmanager alert never heard of again is forgotten
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An alert from Alertmanager that was not acted on, and why."""
+
+    alertname: str
+    run_id: str
+    reason: str
 
 
 class Actions:
@@ -45,8 +57,12 @@ class Actions:
         config_path: str | None = None,
         observe: Observe,
         on_done: Done,
+        corroborator: Corroborator,
     ) -> None:
+        """``corroborator``: judges the alerts from Alertmanager."""
         self.config = config
+        self.observe = observe
+        self.corroborator = corroborator
         self.store = ActionStore(state)
         self.pages = ExhaustedPages(state)
         self.planner = ActionPlanner(config, self.store, silences, self.pages, observe)
@@ -95,28 +111,65 @@ class Actions:
             self.runner.wake()
         return len(recorded)
 
-    def receive(self, alerts: list[IncomingAlert], now: float) -> None:
-        """Take alerts from Alertmanager's webhook: the firing ones with an action label join
-        the next decision; resolved ones leave (all are ignored unless ``alertmanager`` is one
-        of the configured triggers)."""
+    def receive(self, alerts: list[IncomingAlert], now: float) -> list[Refusal]:
+        """Take alerts from Alertmanager's webhook: the firing ones with an action label that
+        the monitor corroborates (:class:`Corroborator`) join the next decision, the others
+        are recorded as refused, with why, and returned; resolved ones leave (all are ignored
+        unless ``alertmanager`` is one of the configured triggers)."""
         if "alertmanager" not in self.config.triggers:
-            return
-        with self._lock:
-            for incoming in alerts:
-                if ACTION_LABEL not in incoming.labels:
-                    continue
-                alert = ActionAlert(
-                    fingerprint=fingerprint(incoming.labels),
-                    labels=dict(incoming.labels),
-                    annotations=dict(incoming.annotations),
-                    starts_at=incoming.starts_at,
-                    value=float("nan"),
-                    origin="alertmanager",
-                )
-                if incoming.status == "resolved":
+            return []
+        refused: list[Refusal] = []
+        for incoming in alerts:
+            if ACTION_LABEL not in incoming.labels:
+                continue
+            alert = ActionAlert(
+                fingerprint=fingerprint(incoming.labels),
+                labels=dict(incoming.labels),
+                annotations=dict(incoming.annotations),
+                starts_at=incoming.starts_at,
+                value=float("nan"),
+                origin="alertmanager",
+            )
+            if incoming.status == "resolved":
+                with self._lock:
                     self._external.pop(alert.request_id, None)
-                else:
+                continue
+            reason = self.corroborator.refusal(alert, now)
+            if reason is None:
+                with self._lock:
                     self._external[alert.request_id] = (alert, now + EXTERNAL_TTL_S)
+                continue
+            refused.append(Refusal(alert.name, alert.run_id, reason))
+            self._record_refusal(alert, reason, now)
+        return refused
+
+    def _record_refusal(self, alert: ActionAlert, reason: str, now: float) -> None:
+        """One record per refused alert instance (a repeat or replay adds none), under an id
+        of its own: a later notification of the instance that the monitor confirms still acts."""
+        record = ActionRecord(
+            id=f"{alert.request_id}-refused",
+            run_id=alert.run_id,
+            kind=alert.labels[ACTION_LABEL],
+            alertname=alert.name,
+            fingerprint=alert.fingerprint,
+            labels=alert.labels,
+            origin="alertmanager",
+            args={},
+            state="refused",
+            created_at=now,
+            updated_at=now,
+            reason=reason,
+        )
+        if self.store.add(record):
+            # the payload's action label may be anything: the metric's label stays bounded
+            self.observe(record.kind if record.kind in ACTIONS else "unknown", "refused")
+            log.warning(
+                "refused %s for run %s from Alertmanager (%s): %s",
+                escaped(record.kind),
+                escaped(record.run_id),
+                escaped(record.alertname),
+                escaped(reason),
+            )
 
     def annotate(self, alert: AlertInfo) -> AlertInfo:
         """The alert as on-call reads it: the agent's diagnosis where it is about a detector

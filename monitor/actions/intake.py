@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from lossguard.common.jsondepth import TooDeep, load_bounded
+
 WEBHOOK_VERSION = "4"
 ZERO_TIME = "0001-01-01T00:00:00Z"  # Go's zero time.Time: "not set"
 _FRACTION = re.compile(r"(\.\d{6})\d+")  # Go writes nanoseconds; Python parses microseconds
@@ -111,7 +113,9 @@ class WebhookPayload(_Model):
 def parse_webhook(body: bytes) -> list[IncomingAlert]:
     """The alerts of one webhook POST body; IntakeError names what is wrong with it."""
     try:
-        data = json.loads(body)
+        data = load_bounded(body)
+    except TooDeep as exc:
+        raise IntakeError(f"body: {exc}") from None
     except UnicodeDecodeError:
         raise IntakeError("body is not UTF-8 JSON") from None
     except json.JSONDecodeError as exc:

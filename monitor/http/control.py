@@ -16,6 +16,8 @@ from pathlib import Path
 from lossguard.common.control.client import ControlError, ControlTimeout, ControlUnavailable
 from lossguard.common.control.protocol import ErrorCode, ProtocolError, encode, parse_request
 from lossguard.common.control.protocol import Request as Command
+from lossguard.common.jsondepth import load_bounded
+from lossguard.common.printable import escaped
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
 from lossguard.monitor.http.messages import (
     Request,
@@ -23,10 +25,9 @@ from lossguard.monitor.http.messages import (
     Route,
     api_data,
     api_error,
-    bearer_refusal,
+    token_refusal,
 )
 from lossguard.monitor.runs import read_runs
-from lossguard.monitor.sources.scrape import printable_line
 
 log = logging.getLogger("lossguard.monitor.api")
 BODY_FIELDS = ("id", "cmd", "args")
@@ -39,11 +40,14 @@ def control_route(
 
     def control(request: Request) -> Response:
         run_id = request.params["run_id"]
-        refused = _refusal(request, token, token_env)
+        refused = token_refusal(request.headers, token, token_env, "control")
         if refused is not None:
             status, message, headers = refused
             log.warning(
-                "control: refused a request for run %s from %s: %s", run_id, request.client, message
+                "control: refused a request for run %s from %s: %s",
+                escaped(run_id),
+                request.client,
+                message,
             )
             return api_error(status, message, headers=headers)
         try:
@@ -57,10 +61,10 @@ def control_route(
             return api_error(503, f"run {run_id!r} has ended ({files.agent.exit}): no agent")
         log.info(
             "control %s: %s %s to run %s, asked by %s",
-            command.id,
+            escaped(command.id),
             command.cmd,
             json.dumps(command.args, sort_keys=True),
-            run_id,
+            escaped(run_id),
             request.client,
         )
         answer = {"id": command.id, "run_id": run_id, "cmd": command.cmd, "args": command.args}
@@ -68,40 +72,26 @@ def control_route(
             with endpoints.client(run_id) as client:
                 result = client.request(command.cmd, command.args, request_id=command.id)
         except ControlError as exc:
-            log.warning("control %s: the agent refused it: %s", command.id, exc)
+            log.warning("control %s: the agent refused it: %s", escaped(command.id), escaped(exc))
             failed = {**answer, "code": exc.code, "message": exc.message}
             return api_error(422, f"the agent refused {command.cmd}: {exc}", data=failed)
         except ControlTimeout as exc:
-            log.warning("control %s: %s", command.id, exc)
+            log.warning("control %s: %s", escaped(command.id), escaped(exc))
             return api_error(503, str(exc), error_type="timeout", data=answer)
         except (ControlUnavailable, NoEndpoint, OSError) as exc:
-            log.warning("control %s: not delivered: %s", command.id, exc)
+            log.warning("control %s: not delivered: %s", escaped(command.id), escaped(exc))
             return api_error(503, f"not delivered: {exc}", data=answer)
-        log.info("control %s: applied: %s", command.id, printable_line(json.dumps(result), 300))
+        log.info("control %s: applied: %s", escaped(command.id), escaped(json.dumps(result), 300))
         return api_data({**answer, "result": result})
 
     return control
-
-
-def _refusal(
-    request: Request, token: str | None, token_env: str
-) -> tuple[int, str, tuple[tuple[str, str], ...]] | None:
-    """Why the request may not control a run: ``(status, message, headers)``; None: it may."""
-    if token is None:
-        return (
-            403,
-            f"forbidden: control is off; set ${token_env} (listen.token_env) to a secret token, "
-            "restart the monitor and send Authorization: Bearer <token>",
-            (),
-        )
-    return bearer_refusal(request.headers, token)
 
 
 def _command(body: bytes) -> Command:
     """The body as a control request, checked by the protocol (ProtocolError: why not); its
     ``id`` is made up unless the body gives one."""
     try:
-        message = json.loads(body)
+        message = load_bounded(body)
     except ValueError as exc:
         raise _bad(f"body: not JSON ({exc})") from None
     if not isinstance(message, dict):

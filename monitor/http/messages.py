@@ -106,3 +106,18 @@ def bearer_refusal(
     if not hmac.compare_digest(given.strip().encode(), expected.encode()):
         return 403, "forbidden: wrong token", ()
     return None
+
+
+def token_refusal(
+    headers: Mapping[str, str], token: str | None, token_env: str, what: str
+) -> tuple[int, str, tuple[tuple[str, str], ...]] | None:
+    """Why a request to ``what`` (an endpoint that can make the monitor act) is refused:
+    403 while no token is set (saying how to set one), else as :func:`bearer_refusal`."""
+    if token is None:
+        return (
+            403,
+            f"forbidden: {what} is off; set ${token_env} (listen.token_env) to a secret token, "
+            "restart the monitor and send Authorization: Bearer <token>",
+            (),
+        )
+    return bearer_refusal(headers, token)

@@ -3,22 +3,26 @@ webhook ``POST /api/v1/alertmanager``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from lossguard.common.printable import escaped
+from lossguard.monitor.actions.engine import Refusal
 from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_webhook
 from lossguard.monitor.actions.policy import ACTION_LABEL
-from lossguard.monitor.http.messages import Request, Response, Route, Routes, bearer_refusal
+from lossguard.monitor.http.messages import Request, Response, Route, Routes, token_refusal
 
 log = logging.getLogger("lossguard.monitor.api")
 
 ALERTMANAGER_PATH = "/api/v1/alertmanager"
+DEFAULT_TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 
 Health = Callable[[], tuple[bool, dict[str, object]]]
 Status = Callable[[], dict[str, object]]
-OnAlerts = Callable[[list[IncomingAlert]], None]
+OnAlerts = Callable[[list[IncomingAlert]], "list[Refusal]"]
 
 
 def monitor_routes(
@@ -28,12 +32,14 @@ def monitor_routes(
     *,
     on_alerts: OnAlerts | None = None,
     token: str | None = None,
+    token_env: str = DEFAULT_TOKEN_ENV,
     extra: Routes | None = None,
 ) -> Routes:
     """The monitor's endpoints, and ``extra``; ``status`` is what ``lossguard-monitor status``
     shows of the running daemon. With ``on_alerts``, ``POST /api/v1/alertmanager`` takes
-    Alertmanager's webhook (payload v4) and hands its alerts to it; with ``token``, only with
-    ``Authorization: Bearer <token>``."""
+    Alertmanager's webhook (payload v4) with ``Authorization: Bearer <token>`` and hands its
+    alerts to it; without a ``token`` the webhook is off (``$token_env`` names where to set
+    one)."""
 
     def metrics(request: Request) -> Response:
         return Response(200, CONTENT_TYPE_LATEST, generate_latest(registry))
@@ -51,22 +57,25 @@ def monitor_routes(
         ("GET", "/api/status"): api_status,
     }
     if on_alerts is not None:
-        routes[("POST", ALERTMANAGER_PATH)] = alertmanager_route(on_alerts, token)
+        routes[("POST", ALERTMANAGER_PATH)] = alertmanager_route(on_alerts, token, token_env)
     routes.update(extra or {})
     return routes
 
 
-def alertmanager_route(on_alerts: OnAlerts, token: str | None) -> Route:
-    """``POST /api/v1/alertmanager``: 401/403 without the right bearer token (when one is
-    set), 415 unless JSON, 400 naming what is wrong with the payload, else 200 with
-    ``{"received": alerts, "actionable": firing alerts with an action label}``."""
+def alertmanager_route(on_alerts: OnAlerts, token: str | None, token_env: str) -> Route:
+    """``POST /api/v1/alertmanager``: 403 while no token is set, 401/403 without the right
+    bearer token, 415 unless JSON, 400 naming what is wrong with the payload, else 200 with
+    ``{"received": alerts, "actionable": firing alerts taken for an action, "refused":
+    [{"alertname", "run_id", "reason"}, ...]}`` (a refused alert is answered 200 too:
+    Alertmanager would only send it again)."""
 
     def alertmanager(request: Request) -> Response:
-        refusal = None if token is None else bearer_refusal(request.headers, token)
+        refusal = token_refusal(request.headers, token, token_env, "the Alertmanager webhook")
         if refusal is not None:
             status, message, headers = refusal
-            if status == 403:
-                log.warning("alertmanager webhook: a request with a wrong token was refused")
+            log.warning(
+                "alertmanager webhook: refused a request from %s: %s", request.client, message
+            )
             return Response.text(message, status, headers)
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
@@ -78,19 +87,24 @@ def alertmanager_route(on_alerts: OnAlerts, token: str | None) -> Route:
         except IntakeError as exc:
             log.warning("alertmanager webhook: refused a payload: %s", exc)
             return Response.text(f"bad payload: {exc}", 400)
-        actionable = sum(1 for a in alerts if a.status == "firing" and ACTION_LABEL in a.labels)
         log.info(
-            "alertmanager webhook: %d alerts (%d firing with an action label): %s",
+            "alertmanager webhook: %d alerts: %s",
             len(alerts),
-            actionable,
-            ", ".join(f"{a.labels.get('alertname', '?')} {a.status}" for a in alerts[:5])
+            ", ".join(f"{escaped(a.labels.get('alertname', '?'))} {a.status}" for a in alerts[:5])
             + (", ..." if len(alerts) > 5 else ""),
         )
         try:
-            on_alerts(alerts)
+            refused = on_alerts(alerts)
         except Exception:  # Alertmanager retries a 5xx
             log.exception("alertmanager webhook: taking the alerts failed")
             return Response.text("internal error: the alerts were not taken", 500)
-        return Response.json({"received": len(alerts), "actionable": actionable})
+        asking = sum(1 for a in alerts if a.status == "firing" and ACTION_LABEL in a.labels)
+        return Response.json(
+            {
+                "received": len(alerts),
+                "actionable": asking - len(refused),
+                "refused": [dataclasses.asdict(r) for r in refused],
+            }
+        )
 
     return alertmanager

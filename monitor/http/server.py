@@ -10,23 +10,28 @@ Under ``/api/`` errors are JSON, shaped as Prometheus's HTTP API shapes them:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import socket
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, unquote
 
 from prometheus_client import CollectorRegistry
 
 from lossguard.common.config import ConfigError
 from lossguard.monitor.http.messages import Request, Response, Route, Routes, error_for
-from lossguard.monitor.http.ops import Health, OnAlerts, Status, monitor_routes
+from lossguard.monitor.http.ops import DEFAULT_TOKEN_ENV, Health, OnAlerts, Status, monitor_routes
 
 log = logging.getLogger("lossguard.monitor.api")
 
 
+MAX_CONNECTIONS = 64  # open at once; Prometheus, Alertmanager and a few scripts need a handful
+REQUEST_DEADLINE_S = 10.0  # for the request line, the headers and the body together
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 MAX_BODY_BYTES = 1 << 20  # a webhook of a few hundred alerts; Alertmanager's max_alerts caps it
 _DRAIN_LIMIT = 16 << 20  # read (and drop) a too large body up to this, so the client hears 413
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -46,19 +51,27 @@ class MonitorServer:
         *,
         on_alerts: OnAlerts | None = None,
         token: str | None = None,
+        token_env: str = DEFAULT_TOKEN_ENV,
         extra: Routes | None = None,
     ) -> None:
         handler = _handler(
-            monitor_routes(registry, health, status, on_alerts=on_alerts, token=token, extra=extra)
+            monitor_routes(
+                registry,
+                health,
+                status,
+                on_alerts=on_alerts,
+                token=token,
+                token_env=token_env,
+                extra=extra,
+            )
         )
         try:
-            self._server = ThreadingHTTPServer((host, port), handler)
+            self._server = _CappedServer((host, port), handler)
         except OSError as exc:
             raise ConfigError(
                 f"listen.port: cannot serve on {host}:{port} ({exc.strerror}); "
                 "is another monitor running? set listen.port=0 for any free port"
             ) from None
-        self._server.daemon_threads = True
         self.host, self.port = host, int(self._server.server_address[1])
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="monitor-http", daemon=True
@@ -72,6 +85,35 @@ class MonitorServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _CappedServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS at once: one more is answered 503 and
+    closed at once, so that clients holding connections open cannot pile up threads."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 @dataclass(frozen=True)
@@ -93,8 +135,25 @@ class _Pattern:
 
 class _RouteHandler(BaseHTTPRequestHandler):
     patterns: ClassVar[tuple[_Pattern, ...]] = ()
-    timeout = 30  # seconds a client may take to send its request
+    timeout = 30  # seconds a client may stay silent
     _unread = 0  # bytes of a refused body still to drain
+    _deadline: threading.Timer | None = None
+
+    def handle_one_request(self) -> None:
+        """One request, whose request line, headers and body must all arrive within
+        REQUEST_DEADLINE_S (a client dripping header lines is cut off); the route itself (a
+        control command the agent applies) may take longer."""
+        self._deadline = threading.Timer(REQUEST_DEADLINE_S, self._cut_off)
+        self._deadline.daemon = True
+        self._deadline.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._deadline.cancel()
+
+    def _cut_off(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     def dispatch(self) -> None:
         path, _, query = self.path.partition("?")
@@ -124,6 +183,8 @@ class _RouteHandler(BaseHTTPRequestHandler):
                 self._drain()
                 return
             body = read
+        if self._deadline is not None:
+            self._deadline.cancel()  # all of the request is here
         pattern, match = chosen
         request = Request(
             self.command,

@@ -103,21 +103,7 @@ class _Evaluator:
     ) -> list[tuple[Labels, list[Point]]]:
         """Series by labels with their samples (staleness markers included) in the window;
         with ``latest``, only each series' last sample in it."""
-        found = self.storage.select(
-            list(selector.matchers),
-            (start_ms - 0.5) / 1000,  # half a millisecond: no sample is lost to float rounding
-            (end_ms + 0.5) / 1000,
-            latest=latest,
-        )
-        series = []
-        for labels, samples in found:
-            points = [(round(t * 1000), v) for t, v in samples]
-            while points and points[0][0] < start_ms:  # sorted: only the ends can stray
-                points.pop(0)
-            while points and points[-1][0] > end_ms:
-                points.pop()
-            series.append((labels, points))
-        return sorted(series, key=lambda item: item[0])
+        return list(self.storage.select(list(selector.matchers), start_ms, end_ms, latest=latest))
 
     def instant(self, selector: VectorSelector) -> list[Sample]:
         """The latest sample at most the lookback old, unless it is a staleness marker."""
@@ -148,7 +134,7 @@ class _Evaluator:
         window = Window(start, start + matrix.range_ms)
         series = []
         for labels, points in self.select(matrix.selector, window.start_ms, window.end_ms):
-            fresh = [p for p in points if not is_stale(p[1])]
+            fresh = [p for p in points if p[1] == p[1] or not is_stale(p[1])]
             if fresh:
                 series.append((labels, fresh))
         if name == "absent_over_time":

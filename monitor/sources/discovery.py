@@ -1,25 +1,49 @@
 """Finding runs: the ``agent.json`` every run writes into its run directory, and the
-``supervisor.json`` of a supervised one. Which of them to scrape, and which runs are dead."""
+``supervisor.json`` of a supervised one. Which of them to scrape, and which runs are dead.
+
+Only files the monitor can believe count (:mod:`lossguard.common.ownership`): owned, with their
+run directory, by the monitor's user, root or a user of ``scrape.trusted_owners``, and writable
+by no one else. The control socket is always the run directory's own ``control.sock``; rank 0's
+metrics URL must name the host the run announces. Where two files name one run, the one whose
+process lives on this host wins (else the newest), with a warning."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import ipaddress
 import logging
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from lossguard.common.ownership import distrust_file, trusted_owners
 from lossguard.common.rundir.agent_file import AgentInfo
-from lossguard.common.rundir.names import AGENT_FILE, SUPERVISOR_FILE
-from lossguard.common.rundir.supervisor_file import SupervisorInfo
+from lossguard.common.rundir.names import AGENT_FILE, SOCKET_NAME, SUPERVISOR_FILE
+from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
 from lossguard.monitor.sources.liveness import DeadRun, dead_run
 
 log = logging.getLogger(__name__)
 
 SUPERVISOR_JOB = "lossguard-supervisor"
 """The ``job`` label of a supervisor's series (its exporter is a target of its own)."""
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+_owners = trusted_owners()
+
+
+def distrusted(path: Path) -> str | None:
+    """Why the run file ``path`` (or its directory) is not believed; None: it is."""
+    return distrust_file(path, _owners)
+
+
+def trust_owners(allowed: Iterable[int]) -> None:
+    """Believe the run files of the users ``allowed`` too (``scrape.trusted_owners``), besides
+    the monitor's own user and root: set once, at start."""
+    global _owners
+    _owners = trusted_owners(allowed)
 
 
 @dataclass(frozen=True)
@@ -116,10 +140,15 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host_and_port}"))
 
 
-def _runs(runs_root: Path) -> list[_Run]:
-    """Every readable ``agent.json`` of a run that did not end on purpose, newest first."""
-    runs: list[_Run] = []
+def announced_runs(runs_root: Path) -> list[_Run]:
+    """One believable ``agent.json`` per run under ``runs_root`` (ended runs too), newest
+    first. A file skipped is warned about once per content and reason."""
+    found: dict[str, list[_Run]] = {}
     for path in sorted(runs_root.glob(f"*/{AGENT_FILE}")):
+        why = distrusted(path)
+        if why is not None:
+            _warn_skipped(path, "", why)
+            continue
         try:
             data = path.read_bytes()
         except OSError:
@@ -129,10 +158,24 @@ def _runs(runs_root: Path) -> list[_Run]:
         except ValueError as exc:
             _warn_skipped(path, hashlib.sha256(data).hexdigest(), str(exc))
             continue
-        if not run.info.ended_cleanly:
-            runs.append(run)
-    runs.sort(key=lambda run: -run.info.started_at)
-    return runs
+        found.setdefault(run.info.run_id, []).append(run)
+    hostname = socket.gethostname()
+    chosen = []
+    for run_id, runs in found.items():
+        runs.sort(key=lambda run: (_lives_here(run.info, hostname), run.info.started_at))
+        chosen.append(runs[-1])
+        if len(runs) > 1:
+            _warn_duplicate(run_id, tuple(str(r.run_dir) for r in runs), str(runs[-1].run_dir))
+    return sorted(chosen, key=lambda run: -run.info.started_at)
+
+
+def _runs(runs_root: Path) -> list[_Run]:
+    """The announced runs that did not end on purpose, newest first."""
+    return [run for run in announced_runs(runs_root) if not run.info.ended_cleanly]
+
+
+def _lives_here(info: AgentInfo, hostname: str) -> bool:
+    return info.pid is not None and info.hostname == hostname and pid_alive(info.pid)
 
 
 def _parse(run_dir: Path, data: bytes) -> _Run:
@@ -140,7 +183,14 @@ def _parse(run_dir: Path, data: bytes) -> _Run:
     info = AgentInfo.parse(data)
     for url in info.metrics_urls:
         instance_of(url)
-    socket_path = Path(info.socket) if info.socket else None
+    if info.metrics_urls and not _on_host(info.metrics_urls[0], info.hostname):
+        raise ValueError(
+            f"rank 0's metrics URL {redact_url(info.metrics_urls[0])!r} is not on the host "
+            f"the run announces ({info.hostname!r})"
+        )
+    if info.socket is not None and Path(info.socket).name != SOCKET_NAME:
+        raise ValueError(f"socket: {info.socket!r} is not the run directory's {SOCKET_NAME}")
+    socket_path = run_dir / SOCKET_NAME if info.socket else None
     targets = [
         DiscoveredTarget(url, info.run_id, rank, socket_path, run_dir)
         for rank, url in enumerate(info.metrics_urls)
@@ -148,11 +198,28 @@ def _parse(run_dir: Path, data: bytes) -> _Run:
     return _Run(info, run_dir, targets)
 
 
+def _on_host(url: str, hostname: str | None) -> bool:
+    """Whether ``url`` names the host ``hostname`` (or this machine's loopback, or an address
+    the agent was bound to)."""
+    host = (urlsplit(url).hostname or "").lower()
+    if host in LOOPBACK_HOSTS or host == (hostname or "").lower():
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _supervisors(runs_root: Path, hostname: str) -> list[SupervisorTarget]:
     """The exporters of the supervisors that run: alive on this host, or on another host and
     not ``exited``."""
     found = []
     for path in sorted(runs_root.glob(f"*/{SUPERVISOR_FILE}")):
+        why = distrusted(path)
+        if why is not None:
+            _warn_skipped(path, "", why)
+            continue
         info = SupervisorInfo.read(path.parent)
         if info is None or not isinstance(info.metrics_url, str) or not info.metrics_url:
             continue
@@ -172,6 +239,19 @@ def _supervisors(runs_root: Path, hostname: str) -> list[SupervisorTarget]:
 def _warn_skipped(path: Path, digest: str, reason: str) -> None:
     """Log once per file and content (``digest``): discovery runs every scrape cycle."""
     log.warning("skipping %s: %s", path, reason)
+
+
+@functools.lru_cache(maxsize=1024)
+def _warn_duplicate(run_id: str, run_dirs: tuple[str, ...], chosen: str) -> None:
+    """Log once per set of run directories that name one run."""
+    log.warning(
+        "run %r is announced by %d agent.json files (%s): watching %s, whose process lives "
+        "here or started last",
+        run_id,
+        len(run_dirs),
+        ", ".join(run_dirs),
+        chosen,
+    )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.heartbeat import REMOTE_DEAD_AFTER_S, last_beat
 from lossguard.common.rundir.metrics_log import LastLogged, last_logged
 from lossguard.common.rundir.names import AGENT_FILE, CHECKPOINT_DIR
 from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
@@ -22,12 +24,14 @@ from lossguard.common.rundir.targets import ordered
 
 RUN_EXITED = "lossguard_run_exited_timestamp_seconds"
 LAST_STEP_LABEL = "last_step"
-RUN_EXITED_LABELS = ("run_id", "exit", LAST_STEP_LABEL, "last_checkpoint", "supervisor")
+RUN_EXITED_LABELS = ("run_id", "host", "exit", LAST_STEP_LABEL, "last_checkpoint", "supervisor")
 RUN_EXITED_HELP = (
-    "Present while a run's training process is known dead on the monitor's host without having "
-    "ended cleanly: when it was last alive (Unix seconds). exit: crashed (no exit in agent.json) "
-    "or agent.json's exit; last_step: its last logged step; last_checkpoint: its newest "
-    "checkpoint and whether it is healthy; supervisor: restarting, crash_loop or none."
+    "Present while a run's training process is known dead without having ended cleanly (on the "
+    "monitor's host: its pid is gone; on another: its heartbeat is silent or it failed): when "
+    "it was last alive (Unix seconds). host: the host it ran on; exit: "
+    "crashed (no exit in agent.json) or agent.json's exit; last_step: its last logged step; "
+    "last_checkpoint: its newest checkpoint and whether it is healthy; supervisor: "
+    "restarting, crash_loop or none."
 )
 CRASHED = "crashed"
 SUPERVISOR_RESTARTING = "restarting"
@@ -43,6 +47,7 @@ class DeadRun:
     run_id: str
     run_dir: Path
     pid: int
+    host: str
     metrics_urls: tuple[str, ...]
     exit: str  # crashed, or agent.json's exit (failed)
     last_seen: float  # its last sign of life, Unix seconds
@@ -54,6 +59,7 @@ class DeadRun:
         """The :data:`RUN_EXITED` labels (an unknown value is empty: the label is absent)."""
         return {
             "run_id": self.run_id,
+            "host": self.host,
             "exit": self.exit,
             LAST_STEP_LABEL: "" if self.last_step is None else str(self.last_step),
             "last_checkpoint": self.last_checkpoint or "",
@@ -72,21 +78,29 @@ class DeadRun:
 
 
 def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
-    """The run of ``info`` if its process is known dead: its ``agent.json`` names ``hostname``
-    (this host) and a pid that no longer runs. None while it lives, or when this host cannot
-    tell (another host, no pid)."""
-    if info.pid is None or info.hostname != hostname or pid_alive(info.pid):
+    """The run of ``info`` if its process is known dead: on this host (``hostname``), its pid
+    no longer runs; on another host (its pid is never probed here), it recorded a failure or
+    its heartbeat is silent (``remote_dead``). None while it lives, or when this host cannot
+    tell (no pid; an agent from before heartbeats)."""
+    if info.pid is None:
+        return None
+    if info.hostname != hostname:
+        if not remote_dead(info, run_dir, time.time()):
+            return None
+    elif pid_alive(info.pid):
         return None
     try:
         stat = os.stat(run_dir / AGENT_FILE)
     except OSError:
         return None  # removed meanwhile
     logged, checkpoint = _what_is_left(run_dir, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
-    signs = (info.finished_at, logged.time, stat.st_mtime)
+    beat = last_beat(run_dir, info.hostname or hostname, info.pid)
+    signs = (info.finished_at, logged.time, stat.st_mtime, beat)
     return DeadRun(
         run_id=info.run_id,
         run_dir=run_dir,
         pid=info.pid,
+        host=info.hostname or hostname,
         metrics_urls=info.metrics_urls,
         exit=info.exit or CRASHED,
         last_seen=max(s for s in signs if s is not None),
@@ -94,6 +108,16 @@ def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
         last_checkpoint=checkpoint,
         supervisor=supervisor_state(run_dir, hostname),
     )
+
+
+def remote_dead(info: AgentInfo, run_dir: Path, now: float) -> bool:
+    """Whether the process of an ``agent.json`` written on another host is dead: it recorded
+    that it failed, or its heartbeat has been silent longer than ``REMOTE_DEAD_AFTER_S``."""
+    if info.finished_at is not None:
+        return True  # discovery keeps only runs that did not end on purpose: a failure
+    assert info.pid is not None and info.hostname is not None
+    beat = last_beat(run_dir, info.hostname, info.pid)
+    return beat is not None and now - beat > REMOTE_DEAD_AFTER_S
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,7 +11,19 @@ import requests
 from lossguard.monitor.promql import Sample, Value, make_labels
 from lossguard.monitor.sources import SourceError, TargetStatus
 from lossguard.monitor.sources.discovery import instance_of, redact_url
-from lossguard.monitor.sources.scrape import printable_line, request_error
+from lossguard.monitor.sources.fetch import printable_line
+
+
+def request_error(exc: requests.RequestException, timeout_s: float) -> str:
+    """The reason a request failed, short: "connection refused", "timed out after 2 s"."""
+    if isinstance(exc, requests.Timeout):
+        return f"timed out after {timeout_s:g} s"
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror[:1].lower() + cause.strerror[1:]
+        cause = cause.__cause__ or cause.__context__
+    return printable_line(str(exc))
 
 
 class PrometheusSource:

@@ -20,12 +20,8 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-
-import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from lossguard.monitor.promql import (
     METRIC_NAME,
@@ -37,6 +33,7 @@ from lossguard.monitor.promql import (
     make_labels,
     parse,
 )
+from lossguard.monitor.promql.storage import Series
 from lossguard.monitor.sources import TargetStatus
 from lossguard.monitor.sources.discovery import (
     SUPERVISOR_JOB,
@@ -44,14 +41,13 @@ from lossguard.monitor.sources.discovery import (
     instance_of,
     redact_url,
 )
+from lossguard.monitor.sources.exposition import ExpositionParser
+from lossguard.monitor.sources.fetch import Connection, ScrapeError, ScrapeLoop
 from lossguard.monitor.sources.liveness import DEFAULT_FORGET_AFTER_S, RUN_EXITED, DeadRun
 
 log = logging.getLogger(__name__)
 
 REPORT_NAMES = ("up", "scrape_duration_seconds", "scrape_samples_scraped")
-EXPORTED_PREFIX = "exported_"
-ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
-"""The text format only: prometheus-client would otherwise answer in OpenMetrics."""
 MAX_TIMEOUT_S = 10.0
 
 TargetKey = tuple[str, str, str] | str
@@ -60,152 +56,8 @@ TargetKey = tuple[str, str, str] | str
 _parse_cached = functools.lru_cache(maxsize=1024)(parse)
 
 
-class ScrapeError(Exception):
-    """Why one scrape failed, in one line."""
-
-
-def printable_line(text: str, limit: int = 200) -> str:
-    """``text`` on one line of printable characters, cut at ``limit``."""
-    flat = " ".join(text.split())
-    flat = "".join(c if c.isprintable() else "?" for c in flat)
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def request_error(exc: requests.RequestException, timeout_s: float) -> str:
-    """The reason a request failed, short: "connection refused", "timed out after 2 s"."""
-    if isinstance(exc, requests.Timeout):
-        return f"timed out after {timeout_s:g} s"
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror[:1].lower() + cause.strerror[1:]
-        cause = cause.__cause__ or cause.__context__
-    return printable_line(str(exc))
-
-
-def with_target_labels(name: str, exposed: Mapping[str, str], target: Mapping[str, str]) -> Labels:
-    """The stored label set of an exposed sample (``honor_labels: false``): target labels win,
-    clashing exposed values move to ``exported_<name>`` (prefixed again while taken)."""
-    merged = {**exposed, METRIC_NAME: name}
-    clashes = sorted(
-        ((label, merged[label]) for label in sorted(target) if merged.get(label)),
-        key=lambda pair: len(pair[0]),
-    )
-    merged.update(target)
-    for label, value in clashes:
-        renamed = EXPORTED_PREFIX + label
-        while merged.get(renamed):
-            renamed = EXPORTED_PREFIX + renamed
-        merged[renamed] = value
-    return make_labels(merged)
-
-
-class ExpositionParser:
-    """One target's expositions to stored samples. The label sets of the last full parse are
-    reused while the exposition keeps its shape (same lines up to the values), so a steady
-    target costs one float conversion per sample."""
-
-    def __init__(
-        self,
-        target_labels: Mapping[str, str],
-        keep_names: frozenset[str] | None,
-        owner: Mapping[str, str] | None = None,
-    ) -> None:
-        self.target_labels = dict(target_labels)
-        self.owner = dict(owner or {})  # run_id and rank: added to all series, and no other
-        self.run_id: str | None = None  # the ``run_id`` and ``rank`` exposed, as last seen
-        self.rank: str | None = None
-        self.keep(keep_names)
-
-    def keep(self, names: frozenset[str] | None) -> None:
-        """From now on keep only the series named ``names`` (None: all)."""
-        self.keep_names = names
-        self._shape: list[str] | None = None
-        self._labels: list[Labels | None] = []  # per sample line; None: not kept
-
-    def parse(self, text: str) -> tuple[int, dict[Labels, float]]:
-        """``(samples exposed, kept samples by label set)``; ScrapeError if it does not parse."""
-        shape, values = _split(text)
-        if shape == self._shape and "_" not in "".join(values):
-            try:
-                numbers = [float(value) for value in values]
-            except ValueError:
-                pass  # the full parse names the problem
-            else:
-                kept = zip(self._labels, numbers, strict=True)
-                return len(numbers), {key: number for key, number in kept if key is not None}
-        return self._parse_fully(text, shape, values)
-
-    def _parse_fully(
-        self, text: str, shape: list[str], values: list[str]
-    ) -> tuple[int, dict[Labels, float]]:
-        try:
-            samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
-        except (ValueError, IndexError) as exc:
-            raise ScrapeError(
-                f"parse error: {printable_line(str(exc)) or 'invalid line'}"
-            ) from None
-        keys: list[Labels | None] = []
-        kept: dict[Labels, float] = {}
-        for sample in samples:
-            key = self._key(sample.name, sample.labels)
-            if key is None or key in kept:  # a duplicate: the first one counts
-                keys.append(None)
-                continue
-            keys.append(key)
-            kept[key] = float(sample.value)
-            if sample.labels.get("run_id"):
-                self.run_id, self.rank = sample.labels["run_id"], sample.labels.get("rank")
-        reusable = len(samples) == len(values) and all(
-            sample.timestamp is None and _same(float(sample.value), value)
-            for sample, value in zip(samples, values, strict=False)
-        )
-        self._shape, self._labels = (shape, keys) if reusable else (None, [])
-        return len(samples), kept
-
-    def _key(self, name: str, labels: Mapping[str, str]) -> Labels | None:
-        if any(labels.get(label) not in ("", None, value) for label, value in self.owner.items()):
-            raise ScrapeError(
-                f"{_run_rank({**self.owner, **labels})} answered, not {_run_rank(self.owner)}"
-            )
-        if self.keep_names is not None and name not in self.keep_names:
-            return None
-        return with_target_labels(name, {**labels, **self.owner}, self.target_labels)
-
-
-def _run_rank(labels: Mapping[str, str]) -> str:
-    """ "run R rank N", for errors."""
-    return f"run {labels['run_id']} rank {labels['rank']}"
-
-
-def _split(text: str) -> tuple[list[str], list[str]]:
-    """The exposition's shape (comment lines, and sample lines up to their last space) and
-    the text after the last space of each sample line (its value, when it has no timestamp)."""
-    shape: list[str] = []
-    values: list[str] = []
-    for raw in text.split("\n"):
-        line = raw.strip()
-        if not line:
-            continue
-        if line[0] == "#":
-            shape.append(line)
-            continue
-        head, _, value = line.rpartition(" ")
-        shape.append(head)
-        values.append(value)
-    return shape, values
-
-
-def _same(number: float, text: str) -> bool:
-    try:
-        parsed = float(text)
-    except ValueError:
-        return False
-    return parsed == number or (math.isnan(parsed) and math.isnan(number))
-
-
 class _Target:
-    """One scrape target: its HTTP session, what it exposed last, how its last scrape went."""
+    """One scrape target: its connection, what it exposed last, how its last scrape went."""
 
     def __init__(
         self,
@@ -215,44 +67,43 @@ class _Target:
         owner: Mapping[str, str],
         timeout_s: float,
         keep_names: frozenset[str] | None,
+        storage: MemoryStorage,
     ) -> None:
         self.url = url
         self.owner = owner  # run_id and rank from discovery; empty for a static target
-        self.timeout_s = timeout_s
+        self.storage = storage
         instance = instance_of(url)
         labels = {"job": job, "instance": instance}
-        self.report_keys = [
-            make_labels({**labels, **owner, METRIC_NAME: name}) for name in REPORT_NAMES
+        self.report = [
+            storage.series(make_labels({**labels, **owner, METRIC_NAME: name}))
+            for name in REPORT_NAMES
         ]
-        self.parser = ExpositionParser(labels, keep_names, owner)
-        self.exposed: set[Labels] = set()
-        self.session = requests.Session()
-        self.session.trust_env = False  # no proxies from the environment, as Prometheus
-        self.session.headers.update(
-            {
-                "Accept": ACCEPT,
-                "User-Agent": "lossguard-monitor",
-                "X-Prometheus-Scrape-Timeout-Seconds": f"{timeout_s:g}",
-            }
-        )
+        self.parser = ExpositionParser(storage, labels, keep_names, owner)
+        self.exposed: set[Series] = set()
+        self.connection = Connection(url, timeout_s)
         status = TargetStatus(redact_url(url), job, instance, None, None, None, None, None)
         self.status = replace(status, run_id=owner.get("run_id"), rank=owner.get("rank"))
 
-    def scrape(self, storage: MemoryStorage, t: float) -> None:
+    async def scrape(self, t: float) -> None:
         """Scrape once and store the samples at ``t``, all at once; a failure stores ``up`` 0
         and ends every series the target exposed."""
         started = time.perf_counter()
         error: str | None = None
         try:
-            total, samples = self.parser.parse(self._fetch())
+            body = await self.connection.get()
+            try:
+                text = body.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ScrapeError("parse error: the body is not UTF-8") from None
+            total, samples = self.parser.parse(text)
         except ScrapeError as exc:
             error = f"GET {self.status.url}: {exc}"
             total, samples = 0, {}
         duration = time.perf_counter() - started
         report = (0.0 if error else 1.0, duration, float(total))
-        ended = [(key, STALE_NAN) for key in self.exposed.difference(samples)]
-        reported = zip(self.report_keys, report, strict=True)
-        storage.add_many(itertools.chain(samples.items(), ended, reported), t)
+        ended = [(series, STALE_NAN) for series in self.exposed.difference(samples)]
+        reported = zip(self.report, report, strict=True)
+        self.storage.append(itertools.chain(samples.items(), ended, reported), t)
         self.exposed = set(samples)
         self.status = TargetStatus(
             url=self.status.url,
@@ -266,27 +117,12 @@ class _Target:
             rank=self.owner.get("rank", self.parser.rank),
         )
 
-    def forget(self, storage: MemoryStorage, t: float) -> None:
+    def forget(self, t: float) -> None:
         """The target is gone: end all its series, ``up`` included."""
         if self.status.up is not None:
-            ended = [*self.exposed, *self.report_keys]
-            storage.add_many([(key, STALE_NAN) for key in ended], t)
-        self.session.close()
-
-    def _fetch(self) -> str:
-        started = time.perf_counter()
-        try:
-            response = self.session.get(self.url, timeout=self.timeout_s)
-        except requests.RequestException as exc:
-            raise ScrapeError(request_error(exc, self.timeout_s)) from None
-        if time.perf_counter() - started > self.timeout_s:  # a body that trickled in
-            raise ScrapeError(f"timed out after {self.timeout_s:g} s")
-        if response.status_code != 200:
-            raise ScrapeError(f"HTTP {response.status_code} {response.reason or ''}".rstrip())
-        try:
-            return response.content.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ScrapeError("parse error: the body is not UTF-8") from None
+            ended = [*self.exposed, *self.report]
+            self.storage.append([(series, STALE_NAN) for series in ended], t)
+        self.connection.close()
 
 
 class _Written:
@@ -304,7 +140,9 @@ class _Written:
 
 class ScrapeSource:
     """Scrapes static and discovered agents every ``interval_s`` into memory and answers rule
-    expressions over what it keeps (``retention_s`` of history). Runs whose process died on
+    expressions over what it keeps (``retention_s`` of history). A cycle scrapes its targets
+    concurrently on one event loop, at most ``max_concurrent`` at once, each within
+    ``timeout_s``; only the series named ``keep_names`` are stored. Runs whose process died on
     this host are not scraped: they get a :data:`RUN_EXITED` series until
     ``forget_dead_after_s`` after their last sign of life."""
 
@@ -319,7 +157,7 @@ class ScrapeSource:
         retention_s: float,
         keep_names: frozenset[str] | None = None,
         forget_dead_after_s: float = DEFAULT_FORGET_AFTER_S,
-        max_workers: int = 32,
+        max_concurrent: int = 256,
         clock: Callable[[], float] = time.time,
     ) -> None:
         for name, seconds in [
@@ -344,7 +182,7 @@ class ScrapeSource:
         self._targets: dict[TargetKey, _Target] = {}
         self._dead: tuple[list[DeadRun], list[TargetStatus]] = ([], [])
         self._exits = _Written()
-        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="lossguard-scrape")
+        self._loop = ScrapeLoop(max_concurrent)
         self._cycle = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -365,9 +203,7 @@ class ScrapeSource:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._executor.shutdown(wait=True)
-        for target in self._targets.values():
-            target.session.close()
+        self._loop.close([target.connection for target in self._targets.values()])
 
     @property
     def keep_names(self) -> frozenset[str] | None:
@@ -400,7 +236,7 @@ class ScrapeSource:
         with self._cycle:
             t = round((self._clock() if t is None else t) * 1000) / 1000
             targets = self._sync(t)
-            list(self._executor.map(lambda target: target.scrape(self.storage, t), targets))
+            self._loop.run([functools.partial(target.scrape, t) for target in targets])
             self.storage.truncate(self._cut(t))
             if self._history_start is None:
                 self._history_start = t
@@ -440,12 +276,13 @@ class ScrapeSource:
                     owner=owner,
                     timeout_s=self.timeout_s,
                     keep_names=self.keep_names,
+                    storage=self.storage,
                 )
             targets[key] = target
         self._targets = targets
         for key, old in current.items():
             if targets.get(key) is not old:
-                old.forget(self.storage, t)
+                old.forget(t)
         self._write_dead(dead, t)
         return list(targets.values())
 

@@ -1,0 +1,222 @@
+"""Checkpoints of sharded models (format ``dcp``): every rank writes its own shards, in parallel.
+
+A ``dcp`` checkpoint folder holds what ``torch.distributed.checkpoint`` writes for the model
+and optimizer (``.metadata`` and one ``__K_0.distcp`` per rank; FQN-keyed state dicts from
+``get_state_dict``, so a checkpoint loads at another world size) and ``rank_K.pt``: rank K's
+other state (the registered non-sharded state dicts, its RNG states). The contract for readers
+is the ``torch`` format's: the folder becomes visible only when complete on every rank. Rank 0
+makes the hidden temporary folder, every rank writes into it, and once DCP's collective finish
+(which follows every rank's write) is done rank 0 hashes every file, writes ``meta.json``
+(``format: dcp``, ``extra.world_size``) and renames the folder into place
+(``CheckpointStore.commit``). A rank killed mid-save leaves only the hidden folder, which the
+next store removes.
+
+Asynchronous saves: the state is staged to host memory (on GPUs: pinned buffers reused from
+save to save, copied off the device in the background), then written by a thread on its own
+gloo group, so the training loop's collectives never interleave with the save's. At most one
+save is in flight; training is blocked only for the staging.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
+from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta
+from lossguard.common.rundir.files import write_synced
+
+log = logging.getLogger("lossguard.agent.checkpoint")
+
+SHARDED_STATE = ("model", "optimizer")
+"""The registered states a ``dcp`` checkpoint holds in DCP's files; the others are per rank."""
+WORLD_SIZE = "world_size"
+"""The ``meta.json`` ``extra`` field: how many ranks wrote the checkpoint."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+class ShardedState:
+    """A sharded model and its optimizer as DCP saves and loads them."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model = model
+        self.optimizers = [optimizer] if optimizer is not None else []
+
+    def state_dict(self) -> dict[str, Any]:
+        """FQN-keyed state dicts of DTensors (references to the live shards, not copies)."""
+        model, optim = get_state_dict(self.model, self.optimizers)
+        return {"model": model, "optimizer": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+
+
+class DcpCheckpoints:
+    """Writes and reads ``dcp`` checkpoints on every rank; ``store`` (rank 0's, None elsewhere)
+    publishes them. Collective: every rank calls ``save`` and ``load`` together (and builds
+    this object at the same point: it makes a gloo group for the background writes)."""
+
+    def __init__(
+        self,
+        root: Path,
+        sharded: ShardedState,
+        *,
+        store: CheckpointStore | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> None:
+        self.root = root
+        self.sharded = sharded
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.group = dist.new_group(backend="gloo")
+        cuda = device.type == "cuda"
+        # on GPUs: pinned buffers kept for the next save, filled by a background copy
+        self.stager = DefaultStager(StagingOptions(cuda, False, cuda, cuda)) if cuda else None
+        self._upload: Future[Any] | None = None
+        self._delay_s = 0.0
+        self._publisher: threading.Thread | None = None
+
+    def wait(self) -> None:
+        """Block until this rank's part of the save in flight (rank 0: its publication) is done."""
+        if self._publisher is not None:
+            self._publisher.join()
+            self._publisher = None
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            try:
+                upload.result()
+            except Exception as exc:  # rank 0 reports it; a failed save leaves nothing
+                log.warning("rank %d: background checkpoint write failed: %s", self.rank, exc)
+
+    def save(
+        self,
+        rank_payload: dict[str, Any],
+        fields: dict[str, Any],
+        *,
+        wait: bool,
+        on_done: OnDone | None,
+    ) -> None:
+        """Write this rank's shards and ``rank_payload``; rank 0 publishes the checkpoint of
+        ``fields`` (``meta_fields``) once every rank is done, then calls ``on_done`` with the
+        meta or the error. ``wait``: before returning; else in the background."""
+        self.wait()
+        tmp = self._temp_folder(fields["name"])
+        write_synced(tmp / rank_file(self.rank), lambda fh: torch.save(rank_payload, fh))
+        fields = {**fields, "extra": {**fields["extra"], WORLD_SIZE: self.world_size}}
+        self._delay_s = self.store.write_delay_s if self.store is not None else 0.0
+        if wait:
+            self._write_now(tmp, fields, on_done)
+            return
+        response = dcp.async_save(
+            self.sharded.state_dict(),
+            checkpoint_id=tmp,
+            process_group=self.group,
+            async_stager=self.stager,
+        )
+        if isinstance(response, AsyncSaveResponse):  # staged in the background (GPUs)
+            response.staging_completion.result()  # the next step may change the weights
+            upload = response.upload_completion
+        else:
+            upload = response
+        self._upload = upload
+        if self.store is not None:
+            self._publisher = threading.Thread(
+                target=self._publish_after,
+                args=(upload, tmp, fields, on_done),
+                name=f"lossguard-dcp-{fields['step']}",
+            )
+            self._publisher.start()
+
+    def _temp_folder(self, name: str) -> Path:
+        """Rank 0 makes the hidden folder; every rank learns its name."""
+        box = [str(self.store.temp_folder(name)) if self.store is not None else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return Path(str(box[0]))
+
+    def _write_now(self, tmp: Path, fields: dict[str, Any], on_done: OnDone | None) -> None:
+        error: Exception | None = None
+        try:
+            dcp.save(self.sharded.state_dict(), checkpoint_id=tmp, process_group=self.group)
+        except Exception as exc:  # rank 0 reports it; a failed save must not stop training
+            error = exc
+        if self.store is not None:
+            self._finish(error, tmp, fields, on_done)
+
+    def _publish_after(
+        self, upload: Future[Any], tmp: Path, fields: dict[str, Any], on_done: OnDone | None
+    ) -> None:
+        error: Exception | None = None
+        try:
+            upload.result()  # DCP's finish on rank 0 follows every rank's write
+        except Exception as exc:
+            error = exc
+        self._finish(error, tmp, fields, on_done)
+
+    def _finish(
+        self,
+        error: Exception | None,
+        tmp: Path,
+        fields: dict[str, Any],
+        on_done: OnDone | None,
+    ) -> None:
+        """Rank 0: publish the written checkpoint, or drop it; report either to ``on_done``."""
+        assert self.store is not None
+        result: CheckpointMeta | BaseException
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            result = RuntimeError(f"checkpoint {fields['name']}: write failed ({error})")
+        else:
+            time.sleep(self._delay_s)  # the slow_save fault drill (as at save time); 0 otherwise
+            try:
+                result = self.store.commit(tmp, fields, DCP_FORMAT)
+            except Exception as exc:
+                result = exc
+        if on_done is not None:
+            on_done(result)
+        elif isinstance(result, BaseException):
+            log.error("%s", result)
+
+    def rank_payload(self, meta: CheckpointMeta) -> dict[str, Any]:
+        """This rank's part of checkpoint ``meta`` (rank 0's when fewer ranks wrote it)."""
+        saved_world = int(meta.extra.get(WORLD_SIZE, 1))
+        source = self.rank if self.rank < saved_world else 0
+        path = self.root / meta.name / rank_file(source)
+        payload: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        return payload
+
+    def load_sharded(self, meta: CheckpointMeta) -> None:
+        """Collective: read the model and optimizer shards of checkpoint ``meta`` (resharded
+        to this world size) into the live model and optimizer."""
+        state = self.sharded.state_dict()
+        dcp.load(state, checkpoint_id=self.root / meta.name, process_group=self.group)
+        self.sharded.load_state_dict(state)
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the staging buffers."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()

@@ -1,0 +1,132 @@
+"""deploy/kubernetes/: every object valid against the Kubernetes API schemas (the
+``kubernetes-validate`` package, offline), the Job's podFailurePolicy mapping the exit-code
+contract, and the files they embed accepted by the tools that read them (lossguard-supervise's
+arguments, the agent's and the monitor's configurations, ``promtool check config``)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from lossguard.agent.config import parse_config
+from lossguard.common.exitcodes import EXIT_CONFIG, EXIT_PERMANENT, EXIT_PREEMPTED, EXIT_STOPPED
+from lossguard.monitor.config import load_monitor_config
+from lossguard.supervisor.cli import build_parser
+from lossguard.supervisor.multinode import placement
+from tests.conftest import REPO
+
+KUBERNETES = REPO / "deploy" / "kubernetes"
+VERSION = "1.31.0"  # podFailurePolicy is GA from 1.31
+
+
+def objects() -> list[dict[str, Any]]:
+    return [
+        doc
+        for path in sorted(KUBERNETES.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+
+
+def named(kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in objects() if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+@pytest.mark.parametrize("obj", objects(), ids=lambda o: f"{o['kind']}/{o['metadata']['name']}")
+def test_every_object_is_valid_against_the_api_schema(obj: dict[str, Any]) -> None:
+    kubernetes_validate.validate(obj, VERSION, strict=True)
+
+
+def test_an_invalid_object_is_refused() -> None:
+    job = named("Job", "lossguard-train")
+    broken = yaml.safe_load(yaml.safe_dump(job))
+    broken["spec"]["podFailurePolicy"]["rules"][0]["action"] = 138
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, VERSION, strict=True)
+
+
+def test_the_pod_failure_policy_maps_the_exit_code_contract() -> None:
+    spec = named("Job", "lossguard-train")["spec"]
+    rules = spec["podFailurePolicy"]["rules"]
+    disrupted = {"type": "DisruptionTarget", "status": "True"}
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [disrupted]}
+    by_action = {r["action"]: set(r["onExitCodes"]["values"]) for r in rules[1:]}
+    assert by_action == {
+        "Ignore": {EXIT_PREEMPTED},
+        "FailJob": {EXIT_PERMANENT, EXIT_CONFIG, EXIT_STOPPED},
+    }
+    container = spec["template"]["spec"]["containers"][0]
+    assert all(r["onExitCodes"]["containerName"] == container["name"] for r in rules[1:])
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_the_training_pod_runs_a_supervisor_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = named("Job", "lossguard-train")["spec"]
+    container = spec["template"]["spec"]["containers"][0]
+    argv = [*container["command"][1:], *container["args"]]
+    args = build_parser().parse_args([a.replace("$(JOB_COMPLETION_INDEX)", "1") for a in argv])
+    command = tuple(args.cmd[1:])
+    assert args.give_up and args.term_is_preemption
+    where = placement(command, args.node_rank, args.nnodes, env={})
+    assert (where.node, where.nnodes) == (1, spec["completions"]) == (1, spec["parallelism"])
+    master = next(a for a in command if a.startswith("--master-addr="))
+    service = named("Service", "lossguard-train")
+    assert master == f"--master-addr=lossguard-train-0.{service['metadata']['name']}"
+    token = next(e for e in container["env"] if e["name"] == "LOSSGUARD_CONTROL_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"]["name"] == "lossguard"
+    monkeypatch.setenv("LOSSGUARD_CONTROL_TOKEN", "from-the-secret")
+    train = yaml.safe_load(named("ConfigMap", "lossguard-train")["data"]["train.yaml"])
+    config = parse_config(train)
+    assert f"{config.run.dir}/{config.run.id}" == args.run_dir.as_posix()
+
+
+def test_the_monitor_config_loads(tmp_path: Path) -> None:
+    data = named("ConfigMap", "lossguard-monitor")["data"]
+    (tmp_path / "lossguard.rules.yml").write_text((REPO / "alerts/lossguard.rules.yml").read_text())
+    (tmp_path / "monitor.yml").write_text(data["monitor.yml"])
+    config = load_monitor_config(tmp_path / "monitor.yml")
+    assert config.listen.token_env == "LOSSGUARD_MONITOR_TOKEN"
+    monitor = named("Deployment", "lossguard-monitor")["spec"]["template"]["spec"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in monitor["containers"][0]["env"]}
+    secret = named("Secret", "lossguard")["stringData"]
+    assert {ref["key"] for ref in env.values()} <= set(secret)
+
+
+POD_META = {  # kubernetes_sd_configs role pod: the meta labels the relabelling reads
+    "__meta_kubernetes_pod_annotation_prometheus_io_scrape",
+    "__meta_kubernetes_pod_container_port_name",
+    "__meta_kubernetes_pod_label_lossguard_dev_run_id",
+    "__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index",
+    "__meta_kubernetes_pod_label_app_kubernetes_io_name",
+    "__meta_kubernetes_pod_name",
+}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_the_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    """Debian's Prometheus is built without Kubernetes discovery, so promtool checks the rest
+    (relabelling, rule files) with each ``kubernetes_sd_configs`` swapped for a file_sd."""
+    text = named("ConfigMap", "lossguard-prometheus")["data"]["prometheus.yml"]
+    prometheus = yaml.safe_load(text)
+    rules = tmp_path / "lossguard.rules.yml"
+    rules.write_text((REPO / "alerts/lossguard.rules.yml").read_text())
+    prometheus["rule_files"] = [str(rules)]
+    labels = set()
+    for job in prometheus["scrape_configs"]:
+        assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
+        job["file_sd_configs"] = [{"files": [str(tmp_path / "targets.json")]}]
+        labels |= {label for r in job["relabel_configs"] for label in r["source_labels"]}
+    assert labels <= POD_META
+    (tmp_path / "targets.json").write_text("[]")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prometheus))
+    done = subprocess.run(
+        ["promtool", "check", "config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

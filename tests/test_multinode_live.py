@@ -1,0 +1,88 @@
+"""Two "nodes" on this machine (two supervisors over one run directory, two torchruns with a
+c10d rendezvous on 127.0.0.1): a SIGKILLed worker of node 1 restarts both nodes from one
+checkpoint and the run ends bitwise identical to an uninterrupted one; a hung two-node run is
+restarted on both nodes when the monitor's TrainingStalled fires (the long chaos:
+``tests/bench_multinode.py``)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import yaml
+
+from tests.bench_multinode import chaos, node_report, start_nodes, two_nodes
+from tests.conftest import (
+    REPO,
+    events,
+    start_monitor,
+    stop_process,
+    wait_for,
+    write_monitor_config,
+)
+
+
+def test_a_killed_worker_of_node_1_restarts_both_nodes_from_one_checkpoint(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    result = chaos(tmp_path, corpus_cache, steps=40, kills=1, seed=5)
+    assert result["statuses"] == [0, 0]
+    assert result["kills"] == 1
+    assert result["crashes"] == 1 and result["crashed_nodes"] == [1]  # one crash per crash
+    assert result["restarts"] == 1
+    # node 0 chose the checkpoint; node 0's rank resumed from it, and node 1 started from it
+    assert result["resumed"] == result["resume_from"] == [result["node_1_resumed_from"]]
+    assert result["identical"]
+
+
+def test_a_monitor_restart_of_a_hung_two_node_run_restarts_both(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    rules = yaml.safe_load((REPO / "alerts" / "lossguard.rules.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "TrainingStalled":
+                rule["expr"] = rule["expr"].replace("> 300", "> 3")
+                rule["for"] = "2s"
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump(rules, sort_keys=False))
+    run_dir, config = two_nodes(
+        tmp_path, corpus_cache, "hung", 10**6, faults=[{"kind": "hang", "step": 25}]
+    )
+    monitor_config, _ = write_monitor_config(
+        tmp_path / "monitor.yml", [rules_file], scrape={"runs_root": str(run_dir.parent)}
+    )
+    monitor = start_monitor(monitor_config)
+    nodes = start_nodes(run_dir, config, "--kill-after", "2s", "--backoff", "100ms")
+    try:
+        restart = wait_for(
+            lambda: next((e for e in events(run_dir) if e.get("event") == "restart"), None),
+            180,
+            "the requested restart",
+        )
+        node_1 = wait_for(
+            lambda: (r := node_report(run_dir, 1)).get("generation") == 2 and r, 60, "node 1 again"
+        )
+        resumed = wait_for(
+            lambda: next(
+                (
+                    e
+                    for e in events(run_dir)
+                    if e["event"] == "resumed" and e["time"] > restart["time"]
+                ),
+                None,
+            ),
+            120,
+            "the resumed run",
+        )
+    finally:
+        for process in (*nodes, monitor):
+            stop_process(process)
+    assert restart["reason"] == "requested" and restart["resume_from"] == "step_00000020"
+    assert node_1["resume_from"] == resumed["checkpoint"] == restart["resume_from"]
+    assert not [e for e in events(run_dir) if e.get("event") == "crash"]
+    command = next(e for e in events(run_dir) if e.get("cmd") == "restart")
+    assert command["args"] == {"reason": "alert TrainingStalled"}
+    with sqlite3.connect(tmp_path / "state.db") as db:
+        kind, state = db.execute("SELECT kind, state FROM actions").fetchone()
+    assert (kind, state) == ("restart", "applied")

@@ -1,0 +1,117 @@
+"""Run directories are private by default: 0700, the records in them 0600 (``run.mode`` lets
+a group read); one another user owns, or others may write, is refused in one line and nothing
+is written into it."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from lossguard.agent.config import RunConfig
+from lossguard.common.config import ConfigError
+from lossguard.common.rundir.directory import RunDirectory
+
+from .conftest import run_cli, tiny_settings, write_config
+
+NOBODY = 65534
+RECORDS = ("config.yaml", "env.json", "agent.json", "metrics.jsonl", "events.jsonl")
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def write_records(run: RunDirectory) -> None:
+    run.write_config({"run": {"id": "r"}})
+    run.write_env({"type": "cpu"}, 1)
+    run.write_discovery(run_id="r", socket_path=None, metrics_urls=[], world_size=1)
+    run.metrics.append({"step": 1})
+    run.events.append({"event": "start"})
+    run.close()
+
+
+@pytest.mark.parametrize(
+    ("run_mode", "dir_mode", "file_mode"), [(None, 0o700, 0o600), (0o750, 0o750, 0o640)]
+)
+def test_a_new_run_directory_is_private_unless_a_mode_shares_it(
+    tmp_path: Path, run_mode: int | None, dir_mode: int, file_mode: int
+) -> None:
+    old = os.umask(0o002)  # a permissive umask changes nothing
+    try:
+        run = RunDirectory(tmp_path / "runs" / "r", run_mode)
+        write_records(run)
+    finally:
+        os.umask(old)
+    assert mode(run.path) == dir_mode
+    assert {name: mode(run.path / name) for name in RECORDS} == dict.fromkeys(RECORDS, file_mode)
+
+
+def test_an_existing_run_directory_of_ones_own_is_made_private(tmp_path: Path) -> None:
+    (tmp_path / "r").mkdir(mode=0o755)
+    assert mode(RunDirectory(tmp_path / "r", 0o700).path) == 0o700
+
+
+@pytest.mark.parametrize(
+    ("prepare", "why"),
+    [
+        (lambda d: os.chown(d, NOBODY, -1), "is owned by nobody (uid 65534), not a trusted user"),
+        (lambda d: d.chmod(0o777), "is writable by others (mode 0777)"),
+        (lambda d: d.chmod(0o775), "is writable by others (mode 0775)"),
+    ],
+)
+def test_a_foreign_or_shared_run_directory_is_refused(tmp_path: Path, prepare, why: str) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir(mode=0o700)
+    prepare(run_dir)
+    before = mode(run_dir)
+    with pytest.raises(ConfigError, match=r"run\.dir: ") as refused:
+        RunDirectory(run_dir, 0o700)
+    assert why in str(refused.value) and "use a run directory of your own" in str(refused.value)
+    assert list(run_dir.iterdir()) == [] and mode(run_dir) == before
+
+
+def test_the_agent_refuses_another_users_run_directory_in_one_line(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    settings = tiny_settings(tmp_path / "runs", corpus_cache)
+    run_dir = tmp_path / "runs" / "tiny"
+    run_dir.mkdir(parents=True, mode=0o777)  # a group-writable runs folder: planted first
+    os.chown(run_dir, NOBODY, -1)
+    done = run_cli("run", str(write_config(tmp_path / "c.yaml", settings)), "--no-progress")
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("lossguard-agent: error: run.dir: ") and "owned by nobody" in line
+    assert list(run_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("given", "taken"), [("0700", "0700"), ("750", "0750"), (0o750, "0750"), ("0700", "0700")]
+)
+def test_run_mode_is_an_octal_mode(given: object, taken: str) -> None:
+    assert RunConfig.model_validate({"mode": given}).mode == taken
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [("0770", "must not let the group or others write"), ("0500", "owner rwx"), ("rw", "octal")],
+)
+def test_a_run_mode_others_may_write_is_refused(given: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        RunConfig.model_validate({"mode": given})
+
+
+def test_a_team_folder_with_setgid_shares_the_run_with_its_group(tmp_path: Path) -> None:
+    """docs/security.md, "Sharing a run with a team": the group and setgid bit of the runs
+    folder reach the run directory and its records."""
+    team = tmp_path / "runs"
+    team.mkdir()
+    os.chown(team, -1, NOBODY)  # the team's group
+    team.chmod(0o2775)
+    run = RunDirectory(team / "r", 0o750)
+    write_records(run)
+    assert stat.S_IMODE(os.stat(run.path).st_mode) == 0o2750
+    assert {os.stat(p).st_gid for p in (run.path, *(run.path / n for n in RECORDS))} == {NOBODY}
+    assert {mode(run.path / name) for name in RECORDS} == {0o640}
