@@ -16,6 +16,10 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lossguard.common.config import Section, field_error, read_config_file, validate
 from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
+from lossguard.common.sizes import parse_budget
+
+DEFAULT_CHECKPOINT_SECONDS = 1800.0
+"""The crash path's cadence when ``checkpoint.every`` is not set: a save every 30 minutes."""
 
 
 class RunConfig(Section):
@@ -138,7 +142,15 @@ class PrecisionConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int | None = Field(default=None, ge=1, description="Save every N steps; null: off.")
+    every: int | None = Field(
+        default=None, ge=1, description="Save every N steps; null: on the time cadence instead."
+    )
+    every_seconds: float | None = Field(
+        default=DEFAULT_CHECKPOINT_SECONDS,
+        gt=0.0,
+        description="When every is null: save once this many seconds have passed since the "
+        "last save (the crash path); null: no periodic saves.",
+    )
     keep_last: int = Field(default=3, ge=1, description="Newest checkpoints kept.")
     async_save: bool = Field(
         default=True,
@@ -151,6 +163,41 @@ class CheckpointConfig(Section):
 
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False
+    )
+
+
+class SnapshotConfig(Section):
+    every: int | None = Field(
+        default=50, ge=1, description="Copy the state to host memory every N steps; null: off."
+    )
+    keep: int = Field(default=2, ge=1, description="Newest snapshots kept (and the last good).")
+    budget: str = Field(
+        default="25%",
+        description="Host memory for snapshots: a size (8GiB, 512MB, bytes) or a percentage "
+        "of physical memory, shared by the ranks on the host.",
+    )
+
+    @model_validator(mode="after")
+    def _budget_is_a_size(self) -> SnapshotConfig:
+        try:
+            parse_budget(self.budget)
+        except ValueError as exc:
+            raise field_error("budget", str(exc)) from None
+        return self
+
+
+class MitigationConfig(Section):
+    skip_spikes: bool = Field(
+        default=False,
+        description="Rung 1: skip on the device the update of a step whose loss or grad norm "
+        "is a spike (needs a fused optimizer).",
+    )
+    zscore: float = Field(default=6.0, gt=0.0, description="Spike: > k std above the mean.")
+    min_history: int = Field(
+        default=64, ge=2, description="Window values (of telemetry.spikes) before skipping."
+    )
+    max_consecutive: int = Field(
+        default=3, ge=1, description="Skips in a row; one more spike ends the rung."
     )
 
 
@@ -315,10 +362,21 @@ class Config(Section):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    mitigation: MitigationConfig = Field(default_factory=MitigationConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     faults: list[FaultConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _skip_window_fits(self) -> Config:
+        window = self.telemetry.spikes.window
+        if self.mitigation.skip_spikes and self.mitigation.min_history > window:
+            raise field_error(
+                "mitigation.min_history", f"must be <= telemetry.spikes.window ({window})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fidelity_needs_fp8(self) -> Config:

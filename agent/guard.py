@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lossguard.agent.checkpoint.cadence import periodic_save_due, snapshot_store
 from lossguard.agent.checkpoint.dcp_format import DcpCheckpoints, ShardedState
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
@@ -38,6 +39,7 @@ from lossguard.agent.control.commands import CommandRunner
 from lossguard.agent.distributed import control_group, rank_and_world
 from lossguard.agent.dtensors import full_value, is_sharded
 from lossguard.agent.heartbeat import Heartbeat
+from lossguard.agent.mitigation import SpikeSkipper
 from lossguard.agent.recovery import (
     PROGRESS_STATE,
     OnSaved,
@@ -59,6 +61,7 @@ from lossguard.agent.telemetry.collector import skips_on_device
 from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.interval import Interval
 from lossguard.agent.telemetry.log_interval import IntervalLog
+from lossguard.agent.telemetry.lr_watch import lr_watch
 from lossguard.agent.telemetry.sinks import Sink
 from lossguard.common.control.protocol import ErrorCode, SkipBatches, Target
 from lossguard.common.control.server import ControlServer
@@ -184,7 +187,9 @@ class Guard:
             state=self.state,
             fp16_unscaled=self.config.precision.dtype == "fp16" and scaler is None,
             event=self.event,
+            lr_watch=lr_watch(optimizer, scheduler, lambda: self.step + 1),
         )
+        self._skipper = self._spike_skipper()
         self.log.start = (self.step, self.log.data_position())
         if self.rank == 0:
             self.run_dir = RunDirectory(self.path, self.config.run.mode_bits)
@@ -201,6 +206,7 @@ class Guard:
             )
             self.control, self.checkpoints, self.sinks = opened
             self.heartbeat = Heartbeat(self.path)  # from agent.json on: a remote monitor's sign
+        self._snapshot_due = False
         sharded = (
             DcpCheckpoints(
                 self.path / CHECKPOINT_DIR,
@@ -217,6 +223,7 @@ class Guard:
             self.state,
             self.progress,
             store=self.checkpoints,
+            snapshots=None if sharded else snapshot_store(self.config.snapshot),  # torch only
             group=self._group,
             rank=self.rank,
             world_size=self.world_size,
@@ -231,6 +238,7 @@ class Guard:
             self,
             control=self.control,
             store=self.checkpoints,
+            snapshots=self.recovery.snapshots,
             telemetry=self.telemetry,
             group=self._group,
             rank=self.rank,
@@ -244,6 +252,22 @@ class Guard:
         if start.target is not None:
             self._resume(start)
         self._before_next_step()
+        # the state training starts from, at the first poll: after an evaluation there, so
+        # that a rollback to it need not evaluate again
+        self._snapshot_due = True
+
+    def _spike_skipper(self) -> SpikeSkipper | None:
+        """Rung 1 (``mitigation.skip_spikes``), where this loop can skip on the device."""
+        if not self.config.mitigation.skip_spikes:
+            return None
+        if self.telemetry is None or not self._can_skip:
+            log.warning(
+                "mitigation.skip_spikes is off for this run: skipping an update on the device "
+                "needs telemetry, a fused optimizer and no GradScaler"
+            )
+            return None
+        distributed = self.world_size > 1
+        return SpikeSkipper(self.config.mitigation, self.device, distributed=distributed)
 
     def _resume(self, start: StartPlan) -> None:
         """Restore ``start.target`` before the first step; audited and logged with its source.
@@ -334,6 +358,8 @@ class Guard:
         runs this step's forward and backward again, on the same batches, through the module
         it is given (the high-precision shadow), and returns the loss as passed here. It is
         called on check steps only, before clipping."""
+        if self.recovery.snapshots is not None:  # the update below must wait for its copy
+            self.recovery.snapshots.before_update()
         if self.scaler is not None and self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
         if self.telemetry is not None:  # sampled steps only: FP8 health and fidelity, gradients
@@ -351,9 +377,14 @@ class Guard:
             norm_bad = self.telemetry.on_step(loss, norm)
             if self.scaler is not None:
                 self.interval.skipped += norm_bad  # the GradScaler skips these steps itself
-            elif self._can_skip and self.config.telemetry.skip_nonfinite:
-                self.optimizer.found_inf = norm_bad.float()  # type: ignore[union-attr]
-                self.interval.skipped += norm_bad
+            elif self._can_skip and (self.config.telemetry.skip_nonfinite or self._skipper):
+                skip = norm_bad if self.config.telemetry.skip_nonfinite else norm_bad & False
+                self.interval.skipped += skip
+                if self._skipper is not None:  # rung 1: a spike's update is skipped too
+                    spike = self._skipper.flag(self.telemetry.detectors) & ~skip
+                    self.interval.skipped_spikes += spike
+                    skip = skip | spike
+                self.optimizer.found_inf = skip.float()  # type: ignore[union-attr]
         self.interval.add(loss, norm, tokens)
         return norm
 
@@ -365,18 +396,26 @@ class Guard:
         if self.telemetry is not None:
             self.telemetry.step_done(self.step)
         self._before_next_step()
-        if self.step % self.log_every == 0 or self.step == self.max_steps:
+        logged = self.step % self.log_every == 0 or self.step == self.max_steps
+        if logged:
             self._log_interval()
-        every = self.config.checkpoint.every
-        self._save_due = every is not None and self.step % every == 0
+        self._save_due = periodic_save_due(
+            self.config.checkpoint, self.step, logged, self.recovery.last_saved_at, self._group
+        )
+        every = self.config.snapshot.every
+        self._snapshot_due = every is not None and self.step % every == 0
 
     def poll(self) -> None:
-        """At this step boundary: take the periodic checkpoint (after any evaluation of this
-        step, so it carries the val loss), then apply control commands and stop signals. While
-        the run is paused this blocks, still serving commands, until resumed or stopped."""
+        """At this step boundary: take the periodic checkpoint and snapshot (after any
+        evaluation of this step, so they carry the val loss), then apply control commands and
+        stop signals. While the run is paused this blocks, still serving commands, until
+        resumed or stopped."""
         if self._save_due:
             self._save_due = False
             self.save("periodic")
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self._take_snapshot()
         while True:
             with self.idle() if self.paused else contextlib.nullcontext():
                 commands, signalled = self.commands.gather(
@@ -480,6 +519,10 @@ class Guard:
             on_done=on_done,
         )
 
+    def _take_snapshot(self) -> None:
+        val = self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
+        self.recovery.take_snapshot(train_loss=self.last_train_loss, val_loss=val)
+
     def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> dict[str, Any]:
         """Load a checkpoint into every registered state on every rank; then skip batches.
         Returns what was restored: checkpoint name and step. A checkpoint that cannot be
@@ -511,7 +554,9 @@ class Guard:
         self.last_train_loss = meta.train_loss
         self.last_val = (meta.step, meta.val_loss) if meta.val_loss is not None else None
         self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
-        self._save_due = False
+        self._save_due = self._snapshot_due = False
+        if self._skipper is not None:
+            self._skipper.reset()
         self.log.restored(self.step)
 
     def set_paused(self, paused: bool) -> None:
@@ -548,6 +593,7 @@ class Guard:
         if not failed:
             self._log_interval()
         self.signals.uninstall()
+        self.log.close()
         if self.recovery.sharded is not None and not failed:  # its writes are collective
             self.recovery.sharded.close()
         if self.checkpoints is not None:

@@ -7,6 +7,7 @@ rollback. Collective under torchrun: every rank calls ``save`` and ``restore`` t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -18,6 +19,7 @@ from torch import nn
 
 from lossguard.agent.checkpoint.dcp_format import SHARDED_STATE, WORLD_SIZE, DcpCheckpoints
 from lossguard.agent.checkpoint.snapshot import snapshot
+from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.distributed import all_gather_objects, all_reduce_max, broadcast_objects
 from lossguard.agent.dtensors import full_value
@@ -30,8 +32,10 @@ from lossguard.common.rundir.events import (
     CHECKPOINT_FAILED,
     RESHARDED,
     ROLLBACK,
+    SNAPSHOTS_OFF,
     SUPERSEDED,
 )
+from lossguard.common.rundir.targets import is_in_memory, is_superseded, named_states
 
 log = logging.getLogger("lossguard.agent")
 
@@ -140,11 +144,11 @@ OnSaved = Callable[[CheckpointMeta | BaseException], None]
 class Recovery:
     """Saves and restores every registered state (``state``, shared with the Guard).
 
-    ``store`` is the checkpoint store on rank 0 and None elsewhere; ``sharded``, for a sharded
-    model, writes and reads ``dcp`` checkpoints on every rank (``checkpoint.dcp_format``);
-    ``healthy_now`` says whether this rank is healthy at this boundary (DESIGN.md
-    ``last_good``); ``on_restored`` runs after every restore; ``event`` appends to the audit
-    trail.
+    ``store`` is the checkpoint store on rank 0 and None elsewhere; ``snapshots`` this rank's
+    in-memory snapshots (None: off); ``sharded``, for a sharded model, writes and reads
+    ``dcp`` checkpoints on every rank (``checkpoint.dcp_format``); ``healthy_now`` says
+    whether this rank is healthy at this boundary (DESIGN.md ``last_good``); ``on_restored``
+    runs after every restore; ``event`` appends to the audit trail.
     """
 
     def __init__(
@@ -153,6 +157,7 @@ class Recovery:
         progress: TrainProgress,
         *,
         store: CheckpointStore | None,
+        snapshots: SnapshotStore | None,
         group: Any,
         rank: int,
         world_size: int,
@@ -168,6 +173,7 @@ class Recovery:
         """Under FSDP2 / HSDP: ``dcp`` checkpoints, which every rank writes and reads."""
         self.progress = progress
         self.store = store
+        self.snapshots = snapshots
         self.group = group
         self.rank = rank
         self.world_size = world_size
@@ -177,6 +183,7 @@ class Recovery:
         self.on_restored = on_restored
         self.event = event
         self.last_saved_step: int | None = None
+        self.last_saved_at = time.monotonic()  # the time cadence counts from the start
         self.state_mixed = False  # a restore failed halfway: this state must never be saved
         self.unclaimed: dict[str, Any] = {}
         """State in the last restored checkpoint under names not registered (yet)."""
@@ -227,6 +234,7 @@ class Recovery:
         payload, all_healthy = self.payload() if self.sharded is None else self.rank_payload()
         step = self.progress.step
         self.last_saved_step = step  # on every rank: finish() must agree on the collective
+        self.last_saved_at = time.monotonic()
         if self.store is None:
             if self.sharded is not None:  # every rank writes its shards; rank 0 the meta
                 fields = meta_fields(step, 0, False, reason, None, None, None)  # for the name
@@ -251,7 +259,7 @@ class Recovery:
             seconds = time.perf_counter() - started
             failed = isinstance(result, BaseException)
             if self.telemetry is not None:
-                self.telemetry.checkpoint_finished(None if failed else seconds, store.named())
+                self.telemetry.checkpoint_finished(None if failed else seconds, self.named())
             if isinstance(result, BaseException):
                 log.error("checkpoint at step %d failed: %s", step, result)
                 self.event(CHECKPOINT_FAILED, reason=reason, error=str(result))
@@ -280,6 +288,33 @@ class Recovery:
             finished(exc)
             return
         finished(meta)
+
+    def named(self) -> dict[str, CheckpointMeta | None]:
+        """Rank 0: the states ``latest``, ``best`` and ``last_good`` mean, on disk or in memory."""
+        disk = self.store.list() if self.store is not None else []
+        return named_states(disk, self.snapshots.list() if self.snapshots else [])
+
+    def take_snapshot(self, *, train_loss: float | None, val_loss: float | None) -> None:
+        """Copy the state to host memory (every rank; collective like ``payload``). The first
+        time the budget refuses one, snapshots turn off: audited and exported."""
+        snapshots = self.snapshots
+        if snapshots is None or not snapshots.enabled or self.state_mixed:
+            return
+        payload, all_healthy = self.payload()
+        meta = snapshots.take(
+            self.progress.step,
+            payload,
+            tokens=self.progress.tokens,
+            healthy=all_healthy,
+            train_loss=train_loss,
+            val_loss=val_loss,
+        )
+        if meta is None:
+            self.event(SNAPSHOTS_OFF, reason=snapshots.off_reason)
+        if self.telemetry is not None:
+            self.telemetry.snapshots(snapshots.enabled, snapshots.held_bytes)
+            if self.store is not None:
+                self.telemetry.states_changed(self.named())
 
     def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> CheckpointMeta:
         """Load a checkpoint into every registered state on every rank; then skip batches.
@@ -316,6 +351,8 @@ class Recovery:
         if missing:
             raise RestoreError(f"{meta.name} has no state for {', '.join(missing)}")
         failure: Exception | None = None
+        if self.snapshots is not None:  # a copy still in flight reads what is about to change
+            self.snapshots.before_update()
         try:
             if self.sharded is not None:
                 self.sharded.load_sharded(meta)
@@ -338,23 +375,20 @@ class Recovery:
         )
         if skip:
             data.skip(skip)  # type: ignore[union-attr]
-        if self.store is not None:  # later checkpoints belong to the timeline we left
-            left = self.store.supersede_after(meta)
-            if left:
-                self.event(SUPERSEDED, checkpoints=left, restored=meta.name)
-            if self.telemetry is not None:
-                self.telemetry.checkpoint_finished(None, self.store.named())
+        self._leave_timeline(meta)
         return meta, skip
 
     def _load_whole(
         self, target: Target, before_step: int | None
     ) -> tuple[CheckpointMeta, dict[str, Any]]:
-        """A ``torch`` checkpoint: rank 0 loads it and every rank gets its payload."""
+        """A ``torch`` checkpoint, rank 0 loads it and every rank gets its payload; or an
+        in-memory snapshot, each rank's own."""
         loaded: list[Any] = [None]
         if self.store is not None:
             self.store.wait()
+            memory = self.snapshots.list() if self.snapshots is not None else []
             try:
-                meta, payload = self.store.load(target, before_step)
+                meta, payload = self.store.load_or_snapshot(target, before_step, memory)
                 loaded = [{"meta": meta, "payload": payload}]
             except Exception as exc:
                 loaded = [f"{exc}"]
@@ -362,7 +396,10 @@ class Recovery:
         if isinstance(loaded[0], str):
             raise RestoreError(loaded[0], not_found=True)
         meta = loaded[0]["meta"]
-        return meta, _upgraded(loaded[0]["payload"], meta.name)
+        payload = loaded[0]["payload"]
+        if payload is None:  # a snapshot: each rank takes its own from memory
+            payload = self._from_memory(meta.name)
+        return meta, _upgraded(payload, meta.name)
 
     def _load_sharded(
         self, target: Target, before_step: int | None
@@ -398,6 +435,33 @@ class Recovery:
             log.warning("%s", message)
             self.event(RESHARDED, checkpoint=meta.name, saved_world_size=saved_world)
         return meta, _upgraded(payload, meta.name)
+
+    def _from_memory(self, name: str) -> dict[str, Any]:
+        """This rank's snapshot ``name`` (every rank has it, or the restore changes nothing)."""
+        payload: dict[str, Any] | None = None
+        if self.snapshots is not None:
+            with contextlib.suppress(KeyError):
+                payload = self.snapshots.payload(name)
+        if all_reduce_max([int(payload is None)], self.group)[0]:
+            raise RestoreError(f"snapshot {name} is not in memory on every rank", not_found=True)
+        assert payload is not None
+        return payload
+
+    def _leave_timeline(self, meta: CheckpointMeta) -> None:
+        """After a restore: later checkpoints and snapshots belong to the timeline we left
+        (every snapshot, when ``meta`` itself was on an abandoned one)."""
+        if self.snapshots is not None:
+            if is_superseded(meta) and not is_in_memory(meta):
+                self.snapshots.clear()
+            else:
+                self.snapshots.discard_after(meta.step)
+        if self.store is None:
+            return
+        left = self.store.supersede_after(meta)
+        if left:
+            self.event(SUPERSEDED, checkpoints=left, restored=meta.name)
+        if self.telemetry is not None:
+            self.telemetry.states_changed(self.named())
 
     def rollback(
         self,

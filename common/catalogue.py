@@ -17,6 +17,7 @@ SIGNALS = ("loss", "grad_norm")
 FP8_TENSORS = ("input", "weight", "grad_output")
 MEMORY_KINDS = ("allocated", "reserved", "peak_allocated")
 CHECKPOINT_KINDS = ("latest", "best", "last_good")
+SKIP_REASONS = ("nonfinite", "spike")
 CONTROL_REFUSALS = ("timeout", "unauthorized", "busy")
 
 
@@ -52,7 +53,11 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Step of the last non-finite value in this timeline, -1 when none.",
         ("signal",),
     ),
-    "skipped_steps": ("counter", "Optimizer updates skipped (non-finite step).", ()),
+    "skipped_steps": (
+        "counter",
+        "Optimizer updates skipped: a non-finite step, or a spike (mitigation.skip_spikes).",
+        ("reason",),
+    ),
     "fp8_amax": ("gauge", "FP8 amax, worst Float8Linear layer.", ("tensor",)),
     "fp8_overflow_ratio": ("gauge", "Fraction saturating in FP8, worst layer.", ("tensor",)),
     "fp8_underflow_ratio": ("gauge", "Fraction flushed to zero in FP8, worst layer.", ("tensor",)),
@@ -79,7 +84,13 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "The GPU this rank trains on, labelled as DCGM's exporter labels it (value 1).",
         ("Hostname", "gpu", "UUID", "modelName"),
     ),
-    "checkpoint_step": ("gauge", "Step of the latest, best and last good checkpoint.", ("kind",)),
+    "checkpoint_step": (
+        "gauge",
+        "Step of the latest, best and last good state (checkpoint or in-memory snapshot).",
+        ("kind",),
+    ),
+    "snapshots_enabled": ("gauge", "1 while in-memory snapshots are taken.", ()),
+    "snapshot_bytes": ("gauge", "Host memory held by in-memory snapshots.", ()),
     "checkpoint_timestamp_seconds": ("gauge", "Wall time of the last completed checkpoint.", ()),
     "checkpoint_in_progress": ("gauge", "1 while a checkpoint is being written.", ()),
     "checkpoint_save_duration_seconds": ("histogram", "Checkpoint save wall time.", ()),

@@ -25,6 +25,7 @@ from lossguard.common.catalogue import (
     NVML_METRICS,
     PREFIX,
     SIGNALS,
+    SKIP_REASONS,
     register_metric,
 )
 
@@ -34,6 +35,7 @@ SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 COUNTER_LABELS: dict[str, list[dict[str, str]]] = {
     "spikes": [{"signal": s} for s in SIGNALS],
     "nonfinite": [{"signal": s} for s in SIGNALS],
+    "skipped_steps": [{"reason": r} for r in SKIP_REASONS],
     "control_commands": [],  # created by the first command
     "control_refusals": [{"reason": r} for r in CONTROL_REFUSALS],
 }

@@ -77,9 +77,9 @@ def stability_row(dashboard: db.Dashboard, by_run: str) -> db.Dashboard:
                         "{{run_id}} non-finite {{signal}}",
                     ),
                     (
-                        f"max by (run_id) "
+                        f"max by (run_id, reason) "
                         f"(increase(lossguard_skipped_steps_total{{{SEL}}}[$__rate_interval]))",
-                        "{{run_id}} skipped steps",
+                        "{{run_id}} skipped steps ({{reason}})",
                     ),
                 ],
                 COUNT_BAD,

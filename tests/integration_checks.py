@@ -135,7 +135,7 @@ def check_live_metrics(seen: dict[str, Any]) -> None:
     assert sample(samples, "lossguard_device_memory_bytes", kind="allocated") > 0
     assert sample(samples, "lossguard_nonfinite_total", signal="loss") == 1
     assert sample(samples, "lossguard_nonfinite_step", signal="loss") == NAN_STEP
-    assert sample(samples, "lossguard_skipped_steps_total") == 1
+    assert sample(samples, "lossguard_skipped_steps_total", reason="nonfinite") == 1
 
 
 def check_run_directory(run_dir: Path, seen: dict[str, Any]) -> list[Path]:

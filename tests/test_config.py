@@ -101,6 +101,10 @@ def test_resolved_config_round_trips() -> None:
         ("- a\n- b\n", [], "the top level must be a mapping"),
         ("data:\n  path: /missing/corpus\n", [], "data.path: no such file or directory"),
         ("{}\n", ["--set", "precision.dtype=int3"], "precision.dtype: must be one of"),
+        ("snapshot:\n  budget: lots\n", [], "snapshot.budget: must be a size such as 8GiB"),
+        ("snapshot:\n  budget: 150%\n", [], "snapshot.budget: a percentage must be in"),
+        ("snapshot:\n  every: -5\n", [], "snapshot.every: must be >= 1"),
+        ("checkpoint:\n  every_seconds: -1\n", [], "checkpoint.every_seconds: must be > 0"),
         (None, [], "no such config file"),
     ],
 )

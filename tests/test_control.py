@@ -281,9 +281,11 @@ def test_lossguard_ctl_drives_a_live_run(agent: Agent) -> None:
     saved = ctl("--run-dir", run_dir, "save")
     assert saved.returncode == 0 and saved.stdout.startswith("saved step_")
     listing = ctl("--run-dir", run_dir, "--json", "checkpoints")
-    names = [c["name"] for c in json.loads(listing.stdout)["checkpoints"]]
+    listed = json.loads(listing.stdout)["checkpoints"]
+    names = [c["name"] for c in listed if not c["in_memory"]]  # beside snapshots in memory
     assert len(names) == 1 and names[0] in saved.stdout
-    back = ctl("--run-dir", run_dir, "--json", "rollback", "latest", "--skip-batches", "2")
+    assert any(c["in_memory"] for c in listed)  # snapshots are listed too
+    back = ctl("--run-dir", run_dir, "--json", "rollback", names[0], "--skip-batches", "2")
     assert back.returncode == 0, back.stderr
     result = json.loads(back.stdout)
     assert result["checkpoint"] == names[0] and result["skipped_batches"] == 2

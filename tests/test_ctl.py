@@ -79,6 +79,16 @@ CHECKPOINTS: dict[str, Any] = {
             created_at=CREATED,
         ),
         _checkpoint(
+            "memory/step_00001700",
+            1700,
+            True,
+            reason="snapshot",
+            train_loss=2.40,
+            val_loss=None,
+            created_at=CREATED + 0.2,
+            in_memory=True,
+        ),
+        _checkpoint(
             "step_00001800",
             1800,
             False,
@@ -90,7 +100,7 @@ CHECKPOINTS: dict[str, Any] = {
     ],
     "latest": "step_00001800",
     "best": "step_00001600",
-    "last_good": "step_00001600",
+    "last_good": "memory/step_00001700",
 }
 RESULTS: dict[str, dict[str, Any]] = {
     "status": STATUS,
@@ -286,7 +296,7 @@ def test_status_before_anything_is_known(capsys, unix_agent: FakeAgent) -> None:
 def test_checkpoints_table_marks_latest_best_and_last_good(capsys, unix_agent: FakeAgent) -> None:
     code, out, _ = ctl(capsys, "checkpoints", agent=unix_agent)
     created = datetime.fromtimestamp(CREATED).isoformat(timespec="seconds")
-    header, first, second = out.splitlines()
+    header, first, in_memory, second = out.splitlines()
     assert code == 0
     assert header.split() == [
         *("name", "step", "healthy", "val", "loss", "train", "loss"),
@@ -294,8 +304,10 @@ def test_checkpoints_table_marks_latest_best_and_last_good(capsys, unix_agent: F
     ]
     assert first.split() == [
         *("step_00001600", "1600", "yes", "2.4500", "2.4100", created),
-        *("periodic", "best,", "last_good"),
+        *("periodic", "best"),
     ]
+    assert in_memory.split()[:3] == ["memory/step_00001700", "1700", "yes"]
+    assert in_memory.endswith("snapshot  last_good")  # the name says where it is
     assert second.split() == [
         "step_00001800",
         "1800",

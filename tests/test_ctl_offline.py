@@ -62,6 +62,7 @@ def run_with_marks(run_dir: Path) -> dict[str, Any]:
         {
             "telemetry": {"enabled": False},
             "checkpoint": {"every": 5, "keep_last": 10, "save_on_exit": False},
+            "snapshot": {"every": None},  # what is on disk only, as after the agent is gone
         }
     )
     guard = Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False)

@@ -40,6 +40,9 @@ def context(**changes: Any) -> IntervalContext:
         "fp16_unscaled": False,
         "grad_norm_max": 1.0,
         "fp8_overflow": None,
+        "fp8_overflow_before": None,
+        "scheduled": True,
+        "lr_departure": None,
         "start_step": 100,
         "start_position": 500,
         "end_position": 510,
@@ -78,7 +81,9 @@ def test_a_nan_with_nothing_else_going_on_points_at_the_data() -> None:
         "fp8_overflow_ratio": None,
         "data_position": 504,  # step 101 took position 500
         "causes": [
-            "non-finite values in the forward or backward pass (check the data at position 504)"
+            "nothing stands out (learning rate on schedule, no gradient-norm or precision "
+            "change): the non-finite value arose in the forward or backward pass of the batch "
+            "at data position 504"
         ],
     }
     json.dumps(diagnosis, allow_nan=False)  # JSON as it is
@@ -89,7 +94,8 @@ def test_a_spike_after_an_lr_rise_with_a_gradient_burst() -> None:
         loss={"spike_step": 107.0, "spike_value": 9.0, "spike_mean": 2.0, "spike_std": 0.5},
         grad_norm={"spike_step": 107.0, "spike_value": 12.0, "spike_mean": 1.0},
     )
-    diagnosis = diagnose("loss", nonfinite=False, stats=seen, context=context(lr=3e-3))
+    unscheduled = context(lr=3e-3, scheduled=False)  # a loop without a scheduler
+    diagnosis = diagnose("loss", nonfinite=False, stats=seen, context=unscheduled)
     assert (diagnosis["step"], diagnosis["value"], diagnosis["zscore"]) == (107, 9.0, 14.0)
     assert (diagnosis["window_mean"], diagnosis["window_std"]) == (2.0, 0.5)
     assert (diagnosis["grad_norm"], diagnosis["grad_norm_ratio"]) == (12.0, 12.0)
@@ -100,12 +106,34 @@ def test_a_spike_after_an_lr_rise_with_a_gradient_burst() -> None:
     ]
 
 
+def test_the_learning_rate_is_judged_against_its_schedule() -> None:
+    seen = stats(loss={"spike_step": 107.0, "spike_value": 9.0, "spike_mean": 2.0})
+    warmup = context(lr=3e-3)  # the schedule tripled it (warm-up): no departure, no cause
+    assert diagnose("loss", nonfinite=False, stats=seen, context=warmup)["causes"][0].startswith(
+        "nothing stands out (learning rate on schedule"
+    )
+    jumped = context(lr_departure=(100, 1.0, 1e-3))  # x1000 at step 100, back since
+    assert diagnose("loss", nonfinite=False, stats=seen, context=jumped)["causes"] == [
+        "learning rate 1000x its schedule at step 100 (1 instead of 0.001)"
+    ]
+    long_ago = context(lr_departure=(2, 1.0, 1e-3))  # over LR_HORIZON steps before
+    assert (
+        "nothing stands out"
+        in diagnose("loss", nonfinite=False, stats=seen, context=long_ago)["causes"][0]
+    )
+
+
 def test_precision_causes() -> None:
     seen = stats(loss={"nonfinite_step": 103.0})
-    fp8 = context(fp8_overflow=("grad_output", 0.125))
+    fp8 = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_before=0.0)
     assert diagnose("loss", nonfinite=True, stats=seen, context=fp8)["causes"] == [
         "FP8 overflow in 12% of values (grad_output)"
     ]
+    usual = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_before=0.1)
+    assert (
+        "nothing stands out"
+        in diagnose("loss", nonfinite=True, stats=seen, context=usual)["causes"][0]
+    )  # as much overflow as before: the run's own normal
     fp16 = context(loss_scale=1024.0, loss_scale_before=65536.0)
     diagnosis = diagnose("loss", nonfinite=True, stats=seen, context=fp16)
     assert diagnosis["loss_scale"] == 1024.0
@@ -124,8 +152,8 @@ def test_a_spike_with_no_other_change_and_unknowns() -> None:
     assert diagnosis["zscore"] is None and diagnosis["lr_ratio"] is None
     assert diagnosis["grad_norm"] is None and diagnosis["data_position"] == 510  # the end's
     assert diagnosis["causes"] == [
-        "no learning-rate, gradient or precision change: probably the data "
-        "(check the data at position 510)"
+        "nothing stands out (learning rate on schedule, no gradient-norm or precision "
+        "change): the batch at data position 510 is what is left to check"
     ]
 
 
@@ -252,9 +280,10 @@ def test_rollback_leaves_the_nan_behind_and_skips_exactly_its_batches(nan_run: N
         "value": None,
     }
     assert {"zscore", "window_mean", "window_std", "grad_norm_ratio", "lr_ratio"} <= set(abandoned)
-    assert abandoned["causes"] == [
-        f"non-finite values in the forward or backward pass "
-        f"(check the data at position {NAN_STEP - 1})"
+    assert abandoned["causes"] == [  # the nonfinite_loss drill, in warm-up: not the lr
+        "nothing stands out (learning rate on schedule, no gradient-norm or precision change): "
+        "the non-finite value arose in the forward or backward pass of the batch at data "
+        f"position {NAN_STEP - 1}"
     ]
 
     # at once: the restored detectors never saw the NaN, so LossNonFinite resolves

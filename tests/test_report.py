@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from matplotlib.figure import Figure
 from torch import nn
 
 from lossguard.agent import Guard
@@ -19,8 +20,9 @@ from lossguard.agent.config import parse_config
 from lossguard.common.rundir.jsonl import read_jsonl
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.store import ActionStore
-from lossguard.monitor.report import ReportError, write_report
-from lossguard.monitor.report.data import read_run
+from lossguard.monitor.report import ReportError, marks, write_report
+from lossguard.monitor.report.data import Point, RunRecord, read_run
+from lossguard.monitor.report.figures import draw_loss
 from lossguard.monitor.rules.alerting import (
     Alert,
     AlertState,
@@ -227,6 +229,24 @@ def test_alerts_and_actions_come_from_the_monitor_state(tmp_path: Path) -> None:
         read_run(run_dir, other)
     with contextlib.closing(sqlite3.connect(other)) as conn:
         assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("notes",)]
+
+
+def test_a_diverged_branch_does_not_flatten_the_recovered_loss(tmp_path: Path) -> None:
+    """The loss panel's y range is the recovered timeline's; the abandoned divergence runs off
+    the top as a faint branch, and the rollback's mark names the state it restored."""
+    kept = [Point(s, None, {"train_loss": 3.0 - s / 100}) for s in range(1, 101)]
+    diverged = [Point(s, None, {"train_loss": 10.0**s}, abandoned=True) for s in range(81, 95)]
+    restore = marks.Restore("rollback", 94, 80, "memory/step_00000080", None)
+    run = RunRecord(
+        tmp_path, "r", "completed", None, (*kept[:80], *diverged, *kept[80:]), (), (), (),
+        (restore,), (), (), (),
+    )  # fmt: skip
+    ax = Figure().add_subplot()
+    draw_loss(ax, run)
+    low, high = ax.get_ylim()
+    assert ax.get_yscale() == "linear" and 1.8 < low < 2.0 and 3.0 < high < 3.2
+    labels = [t.get_text() for t in ax.texts if t.get_gid() == "mark-rollback-0-label"]
+    assert labels == [" rollback to step 80 (memory/step_00000080)"]
 
 
 def test_text_from_the_run_is_drawn_as_written_not_as_math(tmp_path: Path) -> None:

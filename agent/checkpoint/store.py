@@ -18,7 +18,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,7 +46,14 @@ from lossguard.common.rundir.files import (
     write_json_synced,
     write_synced,
 )
-from lossguard.common.rundir.targets import NAMED_TARGETS, SUPERSEDED, is_superseded, ordered
+from lossguard.common.rundir.targets import (
+    NAMED_TARGETS,
+    SUPERSEDED,
+    is_in_memory,
+    is_superseded,
+    ordered,
+    ordered_states,
+)
 
 _HIDDEN_PREFIXES = (".tmp-", ".trash-")
 
@@ -160,14 +167,19 @@ class CheckpointStore:
         return list_checkpoints(self.root)
 
     def resolve(
-        self, target: str | int, before_step: int | None = None
+        self,
+        target: str | int,
+        before_step: int | None = None,
+        snapshots: Sequence[CheckpointMeta] = (),
     ) -> builtins.list[CheckpointMeta]:
-        """Candidates for ``target`` (latest, best, last_good or a step), most preferred first.
-        ``before_step``: prefer checkpoints of earlier steps (a rollback away from trouble that
-        began after them); when there is none, the others still count."""
-        candidates = ordered(self.list(), target)
+        """Candidates for ``target`` (latest, best, last_good or a step), most preferred first,
+        among the checkpoints and ``snapshots`` (in memory). ``before_step``: prefer states of
+        earlier steps (a rollback away from trouble that began after them); when there is
+        none, the others still count."""
+        candidates = ordered_states(self.list(), list(snapshots), target)
         if not candidates:
-            raise CheckpointError(f"no checkpoint matches target {target!r} in {self.root}")
+            nor = " nor in memory" if snapshots else ""
+            raise CheckpointError(f"no checkpoint matches target {target!r} in {self.root}{nor}")
         if before_step is not None:
             earlier = [m for m in candidates if m.step < before_step]
             if not earlier:
@@ -189,22 +201,39 @@ class CheckpointStore:
         self, target: str | int, before_step: int | None = None
     ) -> tuple[CheckpointMeta, dict[str, Any]]:
         """The first usable candidate for ``target`` (``resolve``) and its state, loaded on the
-        CPU.
-
-        Each unusable candidate is logged as a warning naming it, the problem and the next one.
-        """
-        return self._first_usable(target, before_step, self._read_state)
+        CPU. Each unusable candidate is logged as a warning naming it, the problem and the next
+        one."""
+        meta, state = self.load_or_snapshot(target, before_step)
+        assert state is not None  # no snapshots were offered
+        return meta, state
 
     def load_verified(self, target: str | int, before_step: int | None = None) -> CheckpointMeta:
         """``load`` without reading the state: the first candidate whose files verify (a
         ``dcp`` checkpoint, which every rank reads its part of)."""
-        return self._first_usable(target, before_step, self._verify)[0]
+        meta, _ = self._first_usable(target, before_step, self._verify)
+        return meta
+
+    def load_or_snapshot(
+        self,
+        target: str | int,
+        before_step: int | None = None,
+        snapshots: Sequence[CheckpointMeta] = (),
+    ) -> tuple[CheckpointMeta, dict[str, Any] | None]:
+        """``load`` among the checkpoints and ``snapshots`` (in memory): a snapshot chosen comes
+        back with None, its state being the caller's to take from memory."""
+        return self._first_usable(target, before_step, self._read_state, snapshots)
 
     def _first_usable(
-        self, target: str | int, before_step: int | None, read: Callable[[CheckpointMeta], T]
-    ) -> tuple[CheckpointMeta, T]:
-        candidates = self.resolve(target, before_step)
+        self,
+        target: str | int,
+        before_step: int | None,
+        read: Callable[[CheckpointMeta], T],
+        snapshots: Sequence[CheckpointMeta] = (),
+    ) -> tuple[CheckpointMeta, T | None]:
+        candidates = self.resolve(target, before_step, snapshots)
         for index, meta in enumerate(candidates):
+            if is_in_memory(meta):
+                return meta, None
             try:
                 return meta, read(meta)
             except _Unusable as exc:
@@ -263,11 +292,13 @@ class CheckpointStore:
     def supersede_after(self, kept: CheckpointMeta) -> builtins.list[str]:
         """Mark every checkpoint written after ``kept`` superseded: training went back to
         ``kept``, so ``latest``, ``best`` and ``last_good`` must not lead forward to the
-        abandoned timeline. They stay listed (post-mortems) until retention removes them."""
+        abandoned timeline. They stay listed (post-mortems) until retention removes them.
+        For a snapshot ``kept`` (in memory): the current checkpoints of later steps."""
         marked = []
         with self._lock:
             for meta in self.list():
-                if meta.seq <= kept.seq or is_superseded(meta):
+                earlier = meta.step <= kept.step if is_in_memory(kept) else meta.seq <= kept.seq
+                if earlier or is_superseded(meta):
                     continue
                 updated = replace(meta, extra={**meta.extra, SUPERSEDED: True})
                 text = json.dumps(updated.to_dict(), indent=2) + "\n"

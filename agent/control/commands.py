@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.distributed import all_reduce_max, broadcast_objects
 from lossguard.agent.recovery import OnSaved, RestoreError
@@ -26,7 +27,7 @@ from lossguard.common.control.protocol import (
 from lossguard.common.control.server import ControlServer, PendingCommand
 from lossguard.common.rundir.checkpoints import CheckpointMeta
 from lossguard.common.rundir.events import COMMAND
-from lossguard.common.rundir.targets import listing
+from lossguard.common.rundir.targets import listing, named_states
 
 log = logging.getLogger("lossguard.agent")
 
@@ -68,14 +69,17 @@ class CommandFailed(Exception):
 Reply = Callable[[dict[str, Any] | CommandFailed], None]
 
 
-def checkpoint_summary(store: CheckpointStore) -> dict[str, str | None]:
-    """Names of the latest, best and last good checkpoints (None where there is none)."""
-    return {kind: meta.name if meta else None for kind, meta in store.named().items()}
+def checkpoint_summary(
+    store: CheckpointStore, snapshots: SnapshotStore | None
+) -> dict[str, str | None]:
+    """Names of the latest, best and last good states, on disk or in memory (None: none)."""
+    named = named_states(store.list(), snapshots.list() if snapshots else [])
+    return {kind: meta.name if meta else None for kind, meta in named.items()}
 
 
 class CommandRunner:
     """The control half of the Guard: gathers commands and applies them to ``target``.
-    ``control`` and ``store`` are rank 0's (None elsewhere)."""
+    ``control`` and ``store`` are rank 0's (None elsewhere); ``snapshots`` the in-memory ones."""
 
     def __init__(
         self,
@@ -83,6 +87,7 @@ class CommandRunner:
         *,
         control: ControlServer | None,
         store: CheckpointStore | None,
+        snapshots: SnapshotStore | None,
         telemetry: Telemetry | None,
         group: Any,
         rank: int,
@@ -91,6 +96,7 @@ class CommandRunner:
         self.target = target
         self.control = control
         self.store = store
+        self.snapshots = snapshots
         self.telemetry = telemetry
         self.group = group
         self.rank = rank
@@ -148,7 +154,7 @@ class CommandRunner:
 
     def _status(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
         store = self.store
-        checkpoint: dict[str, Any] = checkpoint_summary(store) if store else {}
+        checkpoint: dict[str, Any] = checkpoint_summary(store, self.snapshots) if store else {}
         checkpoint["in_progress"] = bool(store and store.in_progress)
         return {**self.target.status(), "checkpoint": checkpoint}
 
@@ -156,7 +162,7 @@ class CommandRunner:
         store = self.store
         if store is None:
             return {}
-        return listing(store.list())
+        return listing(store.list(), self.snapshots.list() if self.snapshots else [])
 
     def _save(self, args: dict[str, Any], reply: Reply) -> None:
         started = time.perf_counter()

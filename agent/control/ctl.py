@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", help="show the run's state")
-    sub.add_parser("checkpoints", help="list the checkpoints")
+    sub.add_parser("checkpoints", help="list the checkpoints and in-memory snapshots")
     sub.add_parser("save", help="save a checkpoint now")
     rollback = sub.add_parser("rollback", help="restore a checkpoint and train on from it")
     rollback.add_argument(

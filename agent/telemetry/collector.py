@@ -55,6 +55,11 @@ def signal_stats(stats: list[float]) -> SignalStats:
     }
 
 
+def _total_key(name: str, **labels: str) -> str:
+    """The key of a counter's exported running total, one per label set."""
+    return name + "".join(f"/{key}={value}" for key, value in sorted(labels.items()))
+
+
 def skips_on_device(
     optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None
 ) -> bool:
@@ -228,7 +233,8 @@ class Telemetry:
             mfu = flops / self.peak.flops
             metrics.set("mfu_ratio", mfu)
             record["mfu"] = mfu
-        self._export_total("skipped_steps", record["skipped_steps"])
+        self._export_total("skipped_steps", record["skipped_steps"], reason="nonfinite")
+        self._export_total("skipped_steps", record["skipped_spikes"], reason="spike")
         for name in ("train_loss", "grad_norm"):
             if math.isfinite(record[name]):
                 metrics.set(name, record[name])
@@ -251,17 +257,18 @@ class Telemetry:
             detector.set_step(step)
         by_signal = signal_stats(self.stats().tolist())
         for signal, values in by_signal.items():
-            self._exported_totals[f"spikes/{signal}"] = values["spikes_total"]
-            self._exported_totals[f"nonfinite/{signal}"] = values["nonfinite_total"]
+            self._exported_totals[_total_key("spikes", signal=signal)] = values["spikes_total"]
+            self._exported_totals[_total_key("nonfinite", signal=signal)] = values[
+                "nonfinite_total"
+            ]
             self.metrics.set("nonfinite_step", values["nonfinite_step"], signal=signal)
         return by_signal
 
-    def _export_total(self, name: str, total: float, signal: str | None = None) -> None:
+    def _export_total(self, name: str, total: float, **labels: str) -> None:
         """Counters only go up: export the increase of a device-side running total."""
-        key = f"{name}/{signal or ''}"
+        key = _total_key(name, **labels)
         increase = total - self._exported_totals.get(key, 0.0)
         self._exported_totals[key] = total
-        labels = {"signal": signal} if signal else {}
         self.metrics.inc(name, increase, **labels)
 
     def _publish_memory(self, record: dict[str, Any]) -> None:
@@ -362,9 +369,18 @@ class Telemetry:
         if seconds is not None:
             self.metrics.observe("checkpoint_save_duration_seconds", seconds)
             self.metrics.set("checkpoint_timestamp_seconds", time.time())
+        self.states_changed(named)
+
+    def states_changed(self, named: dict[str, CheckpointMeta | None]) -> None:
+        """The steps of the latest, best and last good states, on disk or in memory."""
         for kind, meta in named.items():
             if meta is not None:
                 self.metrics.set("checkpoint_step", meta.step, kind=kind)
+
+    def snapshots(self, enabled: bool, held_bytes: int) -> None:
+        """Whether in-memory snapshots are on, and the host memory they hold."""
+        self.metrics.set("snapshots_enabled", int(enabled))
+        self.metrics.set("snapshot_bytes", held_bytes)
 
     def command_applied(self, command: str, ok: bool) -> None:
         self.metrics.inc("control_commands", command=command, result="ok" if ok else "error")

@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 LR_RISE = 1.5
-"""A learning rate at least this many times the previous interval's is a probable cause."""
+"""Without a schedule to judge against: a learning rate at least this many times the previous
+interval's is a probable cause."""
+LR_HORIZON = 100
+"""A learning rate off its schedule up to this many steps before a detection may explain it."""
+FP8_RISE = 2.0
+"""An FP8 overflow ratio at least this many times the previous sample's (or any, after none)."""
 GRAD_NORM_RISE = 5.0
 """A gradient norm at least this many times its window mean is a probable cause."""
 
@@ -56,6 +61,9 @@ class IntervalContext:
     fp16_unscaled: bool  # fp16 training without a GradScaler
     grad_norm_max: float | None  # the interval's largest pre-clip norm (mean over ranks)
     fp8_overflow: tuple[str, float] | None  # (tensor, worst overflow ratio) of the last sample
+    fp8_overflow_before: float | None  # the worst overflow ratio an interval earlier
+    scheduled: bool  # the learning rate follows a known schedule (a scheduler)
+    lr_departure: tuple[int, float, float] | None  # (step, lr, scheduled lr): newest above it
     start_step: int  # the last step before this interval
     start_position: int | None  # the data position then
     end_position: int | None  # the data position now
@@ -134,26 +142,66 @@ def _grad_norm_at(
 
 
 def causes(diagnosis: Mapping[str, Any], context: IntervalContext) -> list[str]:
-    """Probable causes, by simple rules on the diagnosis."""
-    found: list[str] = []
-    lr_ratio = diagnosis["lr_ratio"]
-    if lr_ratio is not None and lr_ratio >= LR_RISE:
-        found.append(f"learning rate rose {lr_ratio:.1f}x since the previous interval")
+    """Probable causes, each judged against what is expected: the learning rate against its
+    schedule (warm-up and decay are not causes), the gradient norm against its window, the
+    loss scale and FP8 overflow against their own history. When nothing stands out, says so."""
+    lr_cause = _lr_cause(diagnosis, context)
+    found = [lr_cause] if lr_cause is not None else []
     grad_ratio = diagnosis["grad_norm_ratio"]
+    burst = None
     if grad_ratio is not None and grad_ratio >= GRAD_NORM_RISE:
-        found.append(f"gradient norm {grad_ratio:.0f}x its window mean")
+        burst = f"gradient norm {grad_ratio:.0f}x its window mean"
+        found.append(burst)
     if context.fp16_unscaled:
         found.append("fp16 training without loss scaling (no GradScaler)")
     scale, before = context.loss_scale, context.loss_scale_before
     if scale is not None and before is not None and scale < before:
         found.append(f"fp16 loss scale fell from {before:g} to {scale:g} (gradient overflow)")
-    if context.fp8_overflow is not None and context.fp8_overflow[1] > 0:
+    if context.fp8_overflow is not None and _fp8_rose(context):
         tensor, ratio = context.fp8_overflow
         found.append(f"FP8 overflow in {100 * ratio:.2g}% of values ({tensor})")
+    position = diagnosis["data_position"]
+    batch = f"the batch at data position {position}" if position is not None else "the batch"
+    lr = "learning rate on schedule" if context.scheduled else "no learning-rate rise"
+    if burst is not None and found == [burst]:
+        return [f"{burst}, with {lr} and no precision change: {batch}"]
     if found:
         return found
-    position = diagnosis["data_position"]
-    at = f" (check the data at position {position})" if position is not None else ""
     if diagnosis["nonfinite"]:
-        return [f"non-finite values in the forward or backward pass{at}"]
-    return [f"no learning-rate, gradient or precision change: probably the data{at}"]
+        return [
+            f"nothing stands out ({lr}, no gradient-norm or precision change): the "
+            f"non-finite value arose in the forward or backward pass of {batch}"
+        ]
+    return [
+        f"nothing stands out ({lr}, no gradient-norm or precision change): {batch} is what "
+        "is left to check"
+    ]
+
+
+def _lr_cause(diagnosis: Mapping[str, Any], context: IntervalContext) -> str | None:
+    """A learning rate above its schedule shortly before the detection; without a schedule, a
+    rise since the previous interval."""
+    if not context.scheduled:
+        lr_ratio = diagnosis["lr_ratio"]
+        if lr_ratio is not None and lr_ratio >= LR_RISE:
+            return f"learning rate rose {lr_ratio:.1f}x since the previous interval"
+        return None
+    if context.lr_departure is None:
+        return None
+    step, lr, scheduled = context.lr_departure
+    if not 0 <= diagnosis["step"] - step <= LR_HORIZON:
+        return None
+    ratio = lr / scheduled
+    times = f"{ratio:.0f}" if ratio >= 10 else f"{ratio:.1f}"
+    return (
+        f"learning rate {times}x its schedule at step {step} ({lr:.3g} instead of {scheduled:.3g})"
+    )
+
+
+def _fp8_rose(context: IntervalContext) -> bool:
+    """FP8 overflow above its own history: any after none, else FP8_RISE times the last."""
+    assert context.fp8_overflow is not None
+    ratio, before = context.fp8_overflow[1], context.fp8_overflow_before
+    if ratio <= 0:
+        return False
+    return before is None or before <= 0 or ratio >= FP8_RISE * before

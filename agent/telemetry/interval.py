@@ -23,7 +23,8 @@ class IntervalTotals:
     grad_norm_last: float
     grad_norm_max: float
     tokens: float
-    skipped: float  # updates skipped since this process started
+    skipped: float  # updates skipped as non-finite since this process started
+    skipped_spikes: float  # updates skipped as spikes (mitigation.skip_spikes), likewise
     stats: list[float]  # the spike detectors' statistics
     steps: int
     local_tokens: int  # this rank's
@@ -36,6 +37,7 @@ class Interval:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.skipped = torch.zeros((), device=device)  # kept across intervals
+        self.skipped_spikes = torch.zeros((), device=device)  # likewise
         self.reset()
 
     def reset(self) -> None:
@@ -78,20 +80,22 @@ class Interval:
                 self.grad_norm_max,
                 torch.tensor(float(self.tokens), device=self.device),
                 self.skipped,
+                self.skipped_spikes,
             ]
         ).double()
         parts = [all_reduce_sum(summed)]
         if stats is not None:  # flags: the worst rank wins, so every rank agrees
             parts.append(all_reduce_max_tensor(stats))
         values = torch.cat(parts).tolist()
-        loss_sum, norm_last, norm_max, tokens, skipped = values[:5]
+        loss_sum, norm_last, norm_max, tokens, skipped, skipped_spikes = values[:6]
         return IntervalTotals(
             loss_sum=loss_sum,
             grad_norm_last=norm_last,
             grad_norm_max=norm_max,
             tokens=tokens,
             skipped=skipped,
-            stats=values[5:],
+            skipped_spikes=skipped_spikes,
+            stats=values[6:],
             steps=self.steps,
             local_tokens=self.tokens,
             elapsed=time.perf_counter() - self.started,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_stats
 from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
+from lossguard.agent.telemetry.lr_watch import LrWatch
 from lossguard.common.rundir.events import NONFINITE
 
 
@@ -34,6 +36,7 @@ class IntervalLog:
         state: Mapping[str, object],
         fp16_unscaled: bool,
         event: Callable[..., None],
+        lr_watch: LrWatch | None = None,
     ) -> None:
         self.interval = interval
         self.telemetry = telemetry
@@ -47,7 +50,10 @@ class IntervalLog:
         self.episode: dict[str, Any] | None = None
         self.lr_before: float | None = None  # at the end of the last log interval
         self.loss_scale_before: float | None = None
+        self.fp8_before: float | None = None  # worst FP8 overflow ratio at the last interval
+        self.lr_watch = lr_watch  # each step's lr against the schedule
         self.start: tuple[int, int | None] = (0, None)  # (step, data position)
+        self.logged_healthy: bool | None = True  # as of the last interval (None: unknown)
 
     def learning_rate(self) -> float | None:
         if self.optimizer is None:
@@ -85,11 +91,17 @@ class IntervalLog:
         if self.scaler is not None:
             record["loss_scale"] = float(self.scaler.get_scale())
         record["skipped_steps"] = int(totals.skipped / self.world_size)
+        record["skipped_spikes"] = int(totals.skipped_spikes / self.world_size)
+        active = False
         if self.telemetry is not None:
             by_signal = self.telemetry.publish(
                 record, totals.stats, float(totals.local_tokens), elapsed
             )
             self.audit(by_signal, totals, step)
+            active = any(s["active"] for s in by_signal.values())
+            if self.telemetry.fp8_overflow is not None:
+                self.fp8_before = self.telemetry.fp8_overflow[1]
+        self.logged_healthy = math.isfinite(record["train_loss"]) and not active
         self.interval.reset()
         self.lr_before = record["lr"]
         self.loss_scale_before = record.get("loss_scale")
@@ -120,6 +132,7 @@ class IntervalLog:
         loss scale is one more host read)."""
         grad_norm_max = totals.grad_norm_max / self.world_size
         fp8 = self.telemetry.fp8_overflow if self.telemetry is not None else None
+        departure = self.lr_watch.departure if self.lr_watch is not None else None
         start_step, start_position = self.start
         return IntervalContext(
             step=step,
@@ -130,6 +143,9 @@ class IntervalLog:
             fp16_unscaled=self.fp16_unscaled,
             grad_norm_max=grad_norm_max if math.isfinite(grad_norm_max) else None,
             fp8_overflow=fp8,
+            fp8_overflow_before=self.fp8_before,
+            scheduled=self.lr_watch is not None,
+            lr_departure=astuple(departure) if departure is not None else None,
             start_step=start_step,
             start_position=start_position,
             end_position=self.data_position(),
@@ -137,7 +153,11 @@ class IntervalLog:
 
     def healthy(self, last_train_loss: float | None) -> bool:
         """This rank: false inside a spike episode, or when the current interval or the last
-        logged one (``last_train_loss``) saw a non-finite loss (DESIGN.md ``last_good``)."""
+        logged one (``last_train_loss``) saw a non-finite loss (DESIGN.md ``last_good``). Right
+        after a log interval (no step since) that interval's reading answers, with no host
+        read."""
+        if self.interval.steps == 0 and self.logged_healthy is not None:
+            return self.logged_healthy
         interval_finite = self.interval.finite()
         last = last_train_loss
         in_episode = self.telemetry is not None and self.telemetry.episode_active()
@@ -175,5 +195,12 @@ class IntervalLog:
         the detectors' counters count on from the restored totals."""
         self.interval.reset()
         self.episode = None
+        self.logged_healthy = None
+        if self.lr_watch is not None:
+            self.lr_watch.reset()
         if self.telemetry is not None:
             self.detections.resync(self.telemetry.resync_totals(step))
+
+    def close(self) -> None:
+        if self.lr_watch is not None:
+            self.lr_watch.close()

@@ -160,6 +160,12 @@ class SpikeDetector:
         self._spike, self._nonfinite = spike, nonfinite
         return nonfinite
 
+    def exceeds(self, zscore: float, min_history: int) -> torch.Tensor:
+        """Whether the last value was finite and above the window's mean plus ``zscore`` std,
+        with at least ``min_history`` values in the window (a bool device tensor, no sync)."""
+        above = self._value > torch.add(self._mean, self._std, alpha=zscore)
+        return above & ~self._nonfinite & (self._count >= min_history)
+
     def stats(self) -> torch.Tensor:
         """The last step's statistics as a 1-D float64 device tensor, in STAT_FIELDS order."""
         scored = (self._std > 0) & ~self._nonfinite

@@ -316,13 +316,15 @@ class Trainer:
     def fit(self) -> FitResult:
         """Train to ``train.max_steps``, until early stopping, or until stopped. Evaluates at
         the start, every ``eval_every`` steps and at the end, before the step boundary's
-        ``poll`` (so a checkpoint of that step carries its val loss)."""
+        ``poll`` (so a checkpoint or snapshot of that step carries its val loss); not again at
+        a step restored with its val loss (a rollback goes on training at once)."""
         train = self.cfg.train
         stop_reason = "max_steps"
         best = math.inf
         while True:
             step = self.guard.step
-            if step % train.eval_every == 0 or step == train.max_steps:
+            evaluated = self.guard.last_val is not None and self.guard.last_val[0] == step
+            if (step % train.eval_every == 0 or step == train.max_steps) and not evaluated:
                 with self.guard.idle():
                     metrics = self.evaluate()
                 val_loss = metrics.pop("val_loss")

@@ -22,7 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from lossguard.common.config import describe_validation_error
 from lossguard.common.jsondepth import TooDeep, load_bounded
 from lossguard.common.rundir.checkpoints import NAME_RE
-from lossguard.common.rundir.targets import NAMED_TARGETS
+from lossguard.common.rundir.targets import MEMORY_PREFIX, NAMED_TARGETS
 
 PROTOCOL_VERSION = 1
 MAX_LINE_BYTES = 64 * 1024
@@ -58,8 +58,9 @@ Target = int | Literal["last_good", "best", "latest"]
 
 
 def parse_target(value: Any) -> Target:
-    """A checkpoint target: last_good, best, latest, a step number or a checkpoint's name
-    (``step_00000150``, which means step 150); never a path."""
+    """A checkpoint target: last_good, best, latest, a step number or a checkpoint's or
+    in-memory snapshot's name (``step_00000150``, ``memory/step_00000150``: step 150); never a
+    path."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
@@ -67,7 +68,7 @@ def parse_target(value: Any) -> Target:
             return value  # type: ignore[return-value]
         if value.isdigit():
             return int(value)
-        if named := NAME_RE.fullmatch(value):
+        if named := NAME_RE.fullmatch(value.removeprefix(MEMORY_PREFIX)):
             return int(named.group(1))
     raise ValueError(
         f"must be one of {', '.join(reversed(NAMED_TARGETS))}, a step number or a checkpoint name "

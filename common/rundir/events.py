@@ -13,6 +13,7 @@ CHECKPOINT = "checkpoint"
 CHECKPOINT_FAILED = "checkpoint_failed"
 SUPERSEDED = "superseded"
 ROLLBACK = "rollback"
+SNAPSHOTS_OFF = "snapshots_off"  # in-memory snapshots turned off for the memory budget
 RESHARDED = "resharded"  # a dcp checkpoint loaded at another world size
 COMMAND = "command"
 # the agent: detections

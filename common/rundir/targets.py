@@ -11,6 +11,12 @@ from lossguard.common.rundir.checkpoints import CheckpointError, CheckpointMeta
 
 NAMED_TARGETS = ("latest", "best", "last_good")
 SUPERSEDED = "superseded"  # meta.extra flag, see CheckpointStore.supersede_after
+MEMORY_PREFIX = "memory/"  # of an in-memory snapshot's name: memory/step_00001200
+IN_MEMORY = "in_memory"  # meta.extra flag of an in-memory snapshot (checkpoint.snapshots)
+
+
+def is_in_memory(meta: CheckpointMeta) -> bool:
+    return bool(meta.extra.get(IN_MEMORY))
 
 
 def is_superseded(meta: CheckpointMeta) -> bool:
@@ -43,11 +49,46 @@ def ordered(metas: list[CheckpointMeta], target: str | int) -> list[CheckpointMe
     )
 
 
-def listing(metas: list[CheckpointMeta]) -> dict[str, Any]:
-    """The ``checkpoints`` command's result: every checkpoint's meta, oldest first, and the
-    names that ``latest``, ``best`` and ``last_good`` resolve to (None where none does)."""
-    named = {target: next(iter(ordered(metas, target)), None) for target in NAMED_TARGETS}
+def ordered_states(
+    disk: list[CheckpointMeta], memory: list[CheckpointMeta], target: str | int
+) -> list[CheckpointMeta]:
+    """``ordered`` over checkpoints on disk and snapshots in memory together, most preferred
+    first: the two orders merged, each kept as it is. A snapshot goes before a checkpoint it
+    is at least as good as for ``target`` (a later step; for ``best`` a lower val loss; for a
+    step, the exact one): the cheaper restore."""
+    if target == "best":
+
+        def key(m: CheckpointMeta) -> tuple[Any, ...]:
+            return (m.val_loss, -m.step)
+    else:
+
+        def key(m: CheckpointMeta) -> tuple[Any, ...]:
+            return (m.step != target, -m.step)
+
+    first, second = ordered(memory, target), ordered(disk, target)
+    merged: list[CheckpointMeta] = []
+    while first and second:
+        merged.append(first.pop(0) if key(first[0]) <= key(second[0]) else second.pop(0))
+    return merged + first + second
+
+
+def named_states(
+    disk: list[CheckpointMeta], memory: list[CheckpointMeta]
+) -> dict[str, CheckpointMeta | None]:
+    """What ``latest``, ``best`` and ``last_good`` resolve to (None where nothing does)."""
+    return {t: next(iter(ordered_states(disk, memory, t)), None) for t in NAMED_TARGETS}
+
+
+def listing(
+    metas: list[CheckpointMeta], snapshots: list[CheckpointMeta] | None = None
+) -> dict[str, Any]:
+    """The ``checkpoints`` command's result: every checkpoint's and snapshot's meta, oldest
+    step first, each with ``in_memory``, and the names that ``latest``, ``best`` and
+    ``last_good`` resolve to (None where none does)."""
+    memory = snapshots or []
+    named = named_states(metas, memory)
+    states = sorted([*metas, *memory], key=lambda m: (m.step, is_in_memory(m)))
     return {
-        "checkpoints": [meta.to_dict() for meta in metas],
+        "checkpoints": [{**meta.to_dict(), IN_MEMORY: is_in_memory(meta)} for meta in states],
         **{target: meta.name if meta else None for target, meta in named.items()},
     }

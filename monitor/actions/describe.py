@@ -31,6 +31,8 @@ def describe(record: ActionRecord) -> str:
         return f"dry run, not sent: would {_plan(record)}{attempt}"
     if record.state in ("held", "dropped"):
         return f"not done, {record.reason}: would {_plan(record)}{attempt}"
+    if record.state == "nothing_to_restore":
+        return _nothing_to_restore(record.result)
     return f"did not {_VERB.get(record.kind, record.kind)}: {record.reason}"
 
 
@@ -76,6 +78,24 @@ def _applied(record: ActionRecord) -> str:
         return f"the supervisor {how}restarted the run from its newest healthy checkpoint"
     healthy = "healthy" if result.get("healthy") else "marked unhealthy"
     return f"saved checkpoint {result.get('name')} at step {result.get('step')} ({healthy})"
+
+
+def _nothing_to_restore(status: dict[str, Any]) -> str:
+    """A rollback that found no state to go back to, and what the run does instead."""
+    episode = status.get("episode")
+    trouble = episode.get("step") if isinstance(episode, dict) else None
+    before = f" before step {trouble}" if trouble is not None else ""
+    text = (
+        "nothing to roll back to: no healthy state (in-memory snapshot or checkpoint) exists"
+        f"{before}, so the run was left as it is"
+    )
+    step = status.get("step")
+    if step is None:
+        return text + " (it did not answer a status request)"
+    doing = "paused" if status.get("paused") else "training on"
+    loss = status.get("last_train_loss")
+    shown = f", last train loss {loss:.4g}" if isinstance(loss, int | float) else ""
+    return f"{text}; it is at step {step}, {doing}{shown}"
 
 
 def diagnosis_text(diagnosis: dict[str, Any]) -> str:

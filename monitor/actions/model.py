@@ -11,11 +11,15 @@ from typing import Any, Literal
 from lossguard.monitor.notify.model import RUN_LABEL
 
 Origin = Literal["rules", "alertmanager"]
-ActionState = Literal["held", "pending", "applied", "failed", "dry_run", "dropped", "refused"]
+ActionState = Literal[
+    "held", "pending", "applied", "failed", "dry_run", "dropped", "refused", "nothing_to_restore"
+]
 """held: a silence holds it back; pending: recorded, to be sent (again) until answered;
 applied: the agent applied it; failed: refused by the agent or given up; dry_run: announced
 only; dropped: held until its alert ended, never sent; refused: an alert from Alertmanager the
-monitor did not corroborate (:mod:`lossguard.monitor.actions.corroborate`), never sent."""
+monitor did not corroborate (:mod:`lossguard.monitor.actions.corroborate`), never sent;
+nothing_to_restore: a rollback found no state (snapshot or checkpoint) to go back to, and the
+run trains on as it was (``result``: its ``status`` then, when it answered)."""
 OPEN_STATES: tuple[ActionState, ...] = ("held", "pending")
 
 

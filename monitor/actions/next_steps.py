@@ -16,7 +16,8 @@ def next_steps(
     config_path: str | None,
 ) -> tuple[str, ...]:
     """Commands for the run: look at it, undo what the monitor changed (resume a pause, restore
-    the learning rate), and hold further alerts and actions while a human works on it.
+    the learning rate), after a rollback that found nothing to go back to save, pause or stop
+    it, and hold further alerts and actions while a human works on it.
     ``ctl_target``: how ``lossguard-ctl`` reaches the run (``--run-dir DIR``), when known."""
     steps: list[str] = []
     if ctl_target is not None:
@@ -30,6 +31,10 @@ def next_steps(
             steps.append(f"restore the scheduled learning rate: {ctl} set-lr-scale 1")
         if any(r.kind == "rollback" for r in applied):
             steps.append(f"list the checkpoints: {ctl} checkpoints")
+        if any(r.state == "nothing_to_restore" for r in records):
+            steps.append(f"if the run looks healthy, save its state now: {ctl} save")
+            steps.append(f"or hold it where it is: {ctl} pause")
+            steps.append(f"or end it (it saves first): {ctl} stop")
     silence = ["lossguard-monitor", "silence", "add"]
     if config_path:
         silence += ["--config", config_path]

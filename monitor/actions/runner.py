@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lossguard.common.control.client import ControlError, ControlTimeout, ControlUnavailable
+from lossguard.common.control.protocol import ErrorCode
 from lossguard.monitor.actions.describe import describe
 from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
 from lossguard.monitor.actions.model import ActionRecord, ActionState
@@ -95,6 +96,10 @@ class ActionRunner:
             with connect(record.run_id) as client:
                 result = client.request(COMMAND_OF[record.kind], record.args, request_id=record.id)
         except ControlError as exc:
+            if record.kind == "rollback" and exc.code == ErrorCode.NOT_FOUND.value:
+                status = self._status(record.run_id)
+                self._finish(record, "nothing_to_restore", reason=exc.message, result=status)
+                return None
             who = "supervisor" if to_supervisor else "agent"
             self._finish(record, "failed", reason=f"the {who} refused it: {exc}")
             return None
@@ -102,6 +107,15 @@ class ActionRunner:
             return self._retry(record, str(exc))
         self._finish(record, "applied", result=result)
         return None
+
+    def _status(self, run_id: str) -> dict[str, Any]:
+        """The run's ``status`` now (what it is doing after a rollback found nothing), or {}."""
+        try:
+            with self.endpoints.client(run_id) as client:
+                return client.request("status")
+        except (ControlError, ControlUnavailable, ControlTimeout, NoEndpoint, OSError) as exc:
+            log.warning("status of run %s after an empty rollback: %s", run_id, exc)
+            return {}
 
     def _retry(self, record: ActionRecord, error: str) -> float | None:
         now = time.time()
@@ -137,7 +151,7 @@ class ActionRunner:
         done = self.store.get(record.id)
         assert done is not None
         self.observe(record.kind, state)
-        level = logging.WARNING if state == "applied" else logging.ERROR
+        level = logging.WARNING if state in ("applied", "nothing_to_restore") else logging.ERROR
         log.log(
             level,
             "action %s for run %s (%s): %s",

@@ -40,7 +40,7 @@ class RunFacts:
             step = int(labels[LAST_STEP_LABEL])
         actions = []
         for metric, (one, many) in ACTIONS.items():
-            n = self._max(f"{metric}{selector}", t)
+            n = self._max(f"sum by (rank) ({metric}{selector})", t)  # over its labels (reason)
             if n:
                 actions.append((one if n == 1 else many).format(n=n))
         return step, tuple(actions)

@@ -73,7 +73,8 @@ def draw_loss(ax: Axes, run: RunRecord) -> None:
     if not plotted:
         _no_data(ax, "loss", "No loss logged: metrics.jsonl holds no train or eval record.")
         return
-    _log_scale_if_wide(ax, [p.values.get("train_loss") for p in run.train])
+    _log_scale_if_wide(ax, [p.values.get("train_loss") for p in run.train if not p.abandoned])
+    _fit_to_current(ax, [*run.train, *run.evals], ("train_loss", "val_loss"))
     ax.set_ylabel("loss")
     _mark_alerts(ax, run)
     _mark_spikes(ax, run)
@@ -254,6 +255,26 @@ def _plot(
     return plotted
 
 
+def _fit_to_current(ax: Axes, points: Sequence[Point], keys: Sequence[str]) -> None:
+    """The y range of the timeline training went on with: an abandoned one (a divergence, a
+    loss of thousands) runs off the top as a faint branch instead of flattening the run."""
+    values = [
+        value
+        for point in points
+        if not point.abandoned
+        for key in keys
+        if (value := point.values.get(key)) is not None and math.isfinite(value)
+    ]
+    if not values or not any(p.abandoned for p in points):
+        return
+    low, high = min(values), max(values)
+    if ax.get_yscale() == "log":
+        ax.set_ylim(low / 1.5, high * 1.5)
+    else:
+        margin = 0.1 * (high - low) or 0.1 * abs(high) or 1.0
+        ax.set_ylim(low - margin, high + margin)
+
+
 def _log_scale_if_wide(ax: Axes, values: Sequence[float | None]) -> None:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if finite and min(finite) > 0 and max(finite) / min(finite) > WIDE:
@@ -368,7 +389,8 @@ def _mark_restores(ax: Axes, run: RunRecord) -> None:
         label = ax.text(
             left,
             0.84,
-            f" {restore.kind} to step {restore.to_step}",
+            f" {restore.kind} to step {restore.to_step}"
+            + (f" ({restore.checkpoint})" if restore.checkpoint else ""),
             transform=transform,
             fontsize=7,
             color=colour,

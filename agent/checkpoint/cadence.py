@@ -1,0 +1,36 @@
+"""When the Guard saves and snapshots on its own: the periodic checkpoint's step or time
+cadence, and the in-memory snapshot store that ``snapshot`` configures."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from lossguard.agent.checkpoint.snapshots import SnapshotStore
+from lossguard.agent.config import CheckpointConfig, SnapshotConfig
+from lossguard.agent.distributed import all_reduce_max
+from lossguard.common.sizes import budget_bytes
+
+
+def periodic_save_due(
+    cfg: CheckpointConfig, step: int, logged: bool, last_saved_at: float, group: Any
+) -> bool:
+    """Whether the step just done gets a periodic checkpoint: every ``cfg.every`` steps, or
+    (``every`` unset) at the first log interval ``cfg.every_seconds`` after the last save.
+    Every rank agrees: the time is compared at log intervals only, with one small collective."""
+    if cfg.every is not None:
+        return step % cfg.every == 0
+    if cfg.every_seconds is None or not logged:
+        return False
+    late = time.monotonic() - last_saved_at >= cfg.every_seconds
+    return bool(all_reduce_max([int(late)], group)[0])
+
+
+def snapshot_store(cfg: SnapshotConfig) -> SnapshotStore | None:
+    """The snapshots ``cfg`` asks for (None: off), with this rank's share of the host budget
+    (the ranks on this host, ``$LOCAL_WORLD_SIZE``, share it)."""
+    if cfg.every is None:
+        return None
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return SnapshotStore(keep=cfg.keep, budget_bytes=budget_bytes(cfg.budget, local_ranks))

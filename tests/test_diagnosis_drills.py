@@ -1,0 +1,92 @@
+"""What the diagnosis says about each fault drill, on the built-in trainer: the cause the drill
+planted when there is one to see (a learning rate off its schedule, FP8 overflow), the batch
+behind a gradient burst with nothing else changed (a corrupt batch, scaled activations), and
+"nothing stands out" where a drill leaves no other trace (a NaN loss)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lossguard.agent.config import parse_config
+from lossguard.agent.train.trainer import Trainer
+
+from .conftest import tiny_settings
+
+FAULT_STEP = 60
+QUIET = "learning rate on schedule"
+
+
+def diagnoses(
+    tmp_path: Path, cache: Path, fault: dict[str, Any], at: int = FAULT_STEP, **sections: Any
+) -> list[dict]:
+    """Train the tiny model 66 steps (warm-up 30) with ``fault`` at step 60, the spike window
+    short enough to forget the warm-up's falling loss; the diagnoses of the detections, the
+    first of which must be at step ``at``."""
+    settings = tiny_settings(
+        tmp_path / "runs",
+        cache,
+        train={"max_steps": 66, "warmup_steps": 30, "log_every": 3, "eval_every": 1000},
+        snapshot={"every": None},
+        faults=[{"step": FAULT_STEP, **fault}],
+        telemetry={
+            "host": "127.0.0.1",
+            "port": 0,
+            "spikes": {"window": 16, "min_history": 8},
+            "fp8": {"every": 1},
+        },
+        **sections,
+    )
+    Trainer(parse_config(settings), progress=False).fit()
+    lines = (tmp_path / "runs/tiny/events.jsonl").read_text().splitlines()
+    found = [json.loads(line) for line in lines]
+    detected = [e["diagnosis"] for e in found if e["event"] in ("spike", "nonfinite")]
+    assert detected and detected[0]["step"] == at, detected
+    return detected
+
+
+def test_lr_scale_is_named_against_the_schedule(tmp_path: Path, corpus_cache: Path) -> None:
+    fault = {"kind": "lr_scale", "factor": 1000.0}
+    found = diagnoses(tmp_path, corpus_cache, fault, at=FAULT_STEP + 1)  # the step after its update
+    expected = f"learning rate 1000x its schedule at step {FAULT_STEP} ("
+    assert found[0]["causes"][0].startswith(expected)
+
+
+@pytest.mark.parametrize("kind", ["corrupt_batch", "scale_activations"])
+def test_a_gradient_burst_on_schedule_points_at_the_batch(
+    tmp_path: Path, corpus_cache: Path, kind: str
+) -> None:
+    found = diagnoses(tmp_path, corpus_cache, {"kind": kind, "factor": 100.0})
+    [cause] = found[0]["causes"]
+    batch = f"the batch at data position {FAULT_STEP - 1}"
+    assert re.fullmatch(
+        rf"gradient norm \d+x its window mean, with {QUIET} and no precision change: {batch}"
+        rf"|nothing stands out \({QUIET}, no gradient-norm or precision change\): "
+        rf"{batch} is what is left to check",
+        cause,
+    ), cause
+
+
+def test_a_nan_with_nothing_else_says_nothing_stands_out(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    found = diagnoses(tmp_path, corpus_cache, {"kind": "nonfinite_loss"})
+    assert found[0]["nonfinite"] and found[0]["causes"] == [
+        f"nothing stands out ({QUIET}, no gradient-norm or precision change): the non-finite "
+        f"value arose in the forward or backward pass of the batch at data position "
+        f"{FAULT_STEP - 1}"
+    ]
+
+
+def test_an_activation_outlier_under_fp8_shows_as_overflow(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    found = diagnoses(
+        tmp_path, corpus_cache, {"kind": "activation_outlier"}, precision={"dtype": "fp8"}
+    )
+    assert any(cause.startswith("FP8 overflow in ") for cause in found[0]["causes"])
+    assert not any("learning rate" in cause for cause in found[0]["causes"])
