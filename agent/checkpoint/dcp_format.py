@@ -110,7 +110,9 @@ class DcpCheckpoints:
             try:
                 upload.result()
             except Exception as exc:  # rank 0 reports it; a failed save leaves nothing
-                log.warning("rank %d: background checkpoint write failed: %s", self.rank, exc)
+                log.warning(
+                    "rank %d: background checkpoint write failed: %r", self.rank, exc, exc_info=exc
+                )
 
     def save(
         self,
@@ -188,7 +190,7 @@ class DcpCheckpoints:
         result: CheckpointMeta | BaseException
         if error is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            result = RuntimeError(f"checkpoint {fields['name']}: write failed ({error})")
+            result = RuntimeError(f"checkpoint {fields['name']}: write failed ({error!r})")
         else:
             time.sleep(self._delay_s)  # the slow_save fault drill (as at save time); 0 otherwise
             try:
