@@ -172,6 +172,7 @@ def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[st
         "kills": killed,
         "crashes": len(crashes),
         "crashed_nodes": [c.get("node") for c in crashes],
+        "crash_events": crashes,
         "restarts": len(restarts),
         "resumed": [e.get("checkpoint") for e in trail if e.get("event") == "resumed"],
         "resume_from": [r.get("resume_from") for r in restarts],
