@@ -110,6 +110,7 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 def _run(args: argparse.Namespace, cfg: Config) -> int:
     from lossguard.agent.recovery import RestoreError
     from lossguard.agent.startup import CheckpointsExist
+    from lossguard.agent.stop_signals import ignore_stop_signals
     from lossguard.agent.train.trainer import Trainer
 
     resume = _resume_target(args)
@@ -140,6 +141,7 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
         logging.getLogger("lossguard.agent").exception("training failed")
         return trainer.guard.exit_code(failed=True)
     trainer.close()
+    ignore_stop_signals()
     if trainer.dist.is_main:
         logging.getLogger("lossguard.agent").info(
             "done: %d steps (%s); run directory %s",

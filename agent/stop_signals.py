@@ -53,3 +53,11 @@ class StopSignals:
         self.received = signum
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+def ignore_stop_signals() -> None:
+    """Once the run has ended and saved: a late stop signal must not turn its exit code into a
+    kill while the process exits (on the main thread only, where handlers can be set)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)

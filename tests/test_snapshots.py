@@ -64,7 +64,7 @@ DEVICES = [
     "cpu",
     pytest.param(
         "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        marks=pytest.mark.gpu,
     ),  # pinned buffers and a side stream
 ]
 

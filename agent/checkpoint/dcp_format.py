@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
 from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta
@@ -93,9 +92,11 @@ class DcpCheckpoints:
         self.rank = rank
         self.world_size = world_size
         self.group = dist.new_group(backend="gloo")
+        # on GPUs: the state is staged into pinned host buffers kept for the next save (the
+        # writer's own stager: torch 2.11's DefaultStager cannot copy DTensors); elsewhere
+        # async_save copies it to host memory
         cuda = device.type == "cuda"
-        # on GPUs: pinned buffers kept for the next save, filled by a background copy
-        self.stager = DefaultStager(StagingOptions(cuda, False, cuda, cuda)) if cuda else None
+        self.writer = FileSystemWriter(root, cache_staged_state_dict=True) if cuda else None
         self._upload: Future[Any] | None = None
         self._delay_s = 0.0
         self._publisher: threading.Thread | None = None
@@ -133,17 +134,14 @@ class DcpCheckpoints:
         if wait:
             self._write_now(tmp, fields, on_done)
             return
-        response = dcp.async_save(
+        # staged before it returns (the next step may change the weights), written in the background
+        upload = dcp.async_save(
             self.sharded.state_dict(),
             checkpoint_id=tmp,
             process_group=self.group,
-            async_stager=self.stager,
+            storage_writer=self.writer,
         )
-        if isinstance(response, AsyncSaveResponse):  # staged in the background (GPUs)
-            response.staging_completion.result()  # the next step may change the weights
-            upload = response.upload_completion
-        else:
-            upload = response
+        assert isinstance(upload, Future)  # without an async_stager
         self._upload = upload
         if self.store is not None:
             self._publisher = threading.Thread(
@@ -220,5 +218,5 @@ class DcpCheckpoints:
     def close(self) -> None:
         """Wait for the save in flight and release the staging buffers."""
         self.wait()
-        if self.stager is not None:
-            self.stager.close()
+        if self.writer is not None:
+            self.writer.close()
