@@ -31,19 +31,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lossguard.agent.checkpoint.cadence import periodic_save_due, snapshot_store
-from lossguard.agent.checkpoint.dcp_format import DcpCheckpoints, ShardedState
+from lossguard.agent.checkpoint.cadence import Due
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner
 from lossguard.agent.distributed import control_group, rank_and_world
-from lossguard.agent.dtensors import full_value, is_sharded
+from lossguard.agent.dtensors import full_value
 from lossguard.agent.heartbeat import Heartbeat
-from lossguard.agent.mitigation import SpikeSkipper
 from lossguard.agent.recovery import (
     PROGRESS_STATE,
     OnSaved,
-    Recovery,
     Stateful,
     TrainProgress,
 )
@@ -54,22 +51,22 @@ from lossguard.agent.startup import (
     open_run,
     start_fields,
     start_over_check,
+    start_recovery,
     start_telemetry,
 )
 from lossguard.agent.stop_signals import StopSignals
-from lossguard.agent.telemetry.collector import skips_on_device
 from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.interval import Interval
 from lossguard.agent.telemetry.log_interval import IntervalLog
 from lossguard.agent.telemetry.lr_watch import lr_watch
 from lossguard.agent.telemetry.sinks import Sink
-from lossguard.common.control.protocol import ErrorCode, SkipBatches, Target
+from lossguard.agent.update_skips import UpdateSkips
+from lossguard.common.control.protocol import SkipBatches, Target
 from lossguard.common.control.server import ControlServer
 from lossguard.common.exitcodes import EXIT_CODES, EXIT_RETRYABLE
 from lossguard.common.rundir.checkpoints import CheckpointMeta
 from lossguard.common.rundir.directory import RunDirectory
-from lossguard.common.rundir.events import CLOSE, COMMAND, OVERWRITTEN, RESUMED, SIGNAL, START
-from lossguard.common.rundir.names import CHECKPOINT_DIR
+from lossguard.common.rundir.events import CLOSE, OVERWRITTEN, RESUMED, SIGNAL, START
 
 log = logging.getLogger("lossguard.agent")
 
@@ -82,20 +79,8 @@ class Guard:
     planned last step: status, progress, the step target; None: open-ended) and ``grad_clip``
     (clip the gradient norm to it in ``after_backward``; None: measure it, never clip).
 
-    Starting: a run directory without checkpoints is started in (a run that crashed before
-    its first checkpoint starts again). One with checkpoints is refused (``CheckpointsExist``)
-    unless ``resume`` or ``overwrite`` says what to do:
-
-    - ``resume``: a target (``latest``, ``last_good``, ``best``, a step, a checkpoint name such
-      as ``step_00000150``) restored here, on every rank, before the first step; then
-      ``skip_batches`` batches are passed over. ``$LOSSGUARD_RESUME``, set by the supervisor for
-      a restart, wins over ``resume``, ``skip_batches`` and ``overwrite``. A ``resumed`` event
-      records the target, where it came from and what was restored; a target that cannot be
-      restored raises RestoreError (the Guard is then closed).
-    - ``overwrite=True``: start over from step 0. The previous run's checkpoints, metrics and
-      events, config and environment records are moved, not deleted, into
-      ``run_dir/overwritten-<time>/`` (an ``overwritten`` event says where); refused while
-      another agent serves the run directory's control socket.
+    Starting (``resume``, ``skip_batches``, ``overwrite``): as ``startup.StartPlan`` says; a
+    resume target that cannot be restored raises RestoreError (the Guard is then closed).
     """
 
     def __init__(
@@ -146,7 +131,6 @@ class Guard:
         self.started_at = time.time()
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
-        self._save_due = False
         self._nonfinite_checkpoint_taken = False
         self.signals = StopSignals()
         self.interval = Interval(self.device)
@@ -159,12 +143,7 @@ class Guard:
         self.control: ControlServer | None = None
         self.sinks: list[Sink] = []
         self._group = control_group()
-        moved = on_main(
-            lambda: start_over_check(self.path, start),
-            self.rank,
-            self._group,
-        )
-        self._can_skip = skips_on_device(optimizer, scaler)
+        moved = on_main(lambda: start_over_check(self.path, start), self.rank, self._group)
         self.telemetry = start_telemetry(
             self.config,
             model,
@@ -189,7 +168,14 @@ class Guard:
             event=self.event,
             lr_watch=lr_watch(optimizer, scheduler, lambda: self.step + 1),
         )
-        self._skipper = self._spike_skipper()
+        self._skips = UpdateSkips(
+            self.config,
+            optimizer=optimizer,
+            scaler=scaler,
+            telemetry_on=self.telemetry is not None,
+            device=self.device,
+            world_size=self.world_size,
+        )
         self.log.start = (self.step, self.log.data_position())
         if self.rank == 0:
             self.run_dir = RunDirectory(self.path, self.config.run.mode_bits)
@@ -200,39 +186,27 @@ class Guard:
                 device=self.device,
                 world_size=self.world_size,
                 telemetry=self.telemetry,
-                on_reject=self._record_rejected,
-                on_refused=self._count_refused,
+                event=self.event,
                 progress=(max_steps, self.step) if progress else None,
             )
-            self.control, self.checkpoints, self.sinks = opened
-            self.heartbeat = Heartbeat(self.path)  # from agent.json on: a remote monitor's sign
-        self._snapshot_due = False
-        sharded = (
-            DcpCheckpoints(
-                self.path / CHECKPOINT_DIR,
-                ShardedState(model, optimizer),
-                store=self.checkpoints,
-                rank=self.rank,
-                world_size=self.world_size,
-                device=self.device,
-            )
-            if is_sharded(model)
-            else None
-        )
-        self.recovery = Recovery(
+            self.control, self.checkpoints, self.sinks, self.heartbeat = opened
+        self._due = Due(self.config, self._group)
+        self.recovery = start_recovery(
+            self.config,
             self.state,
             self.progress,
+            model=model,
+            optimizer=optimizer,
+            path=self.path,
             store=self.checkpoints,
-            snapshots=None if sharded else snapshot_store(self.config.snapshot),  # torch only
             group=self._group,
             rank=self.rank,
             world_size=self.world_size,
-            async_save=self.config.checkpoint.async_save,
+            device=self.device,
             telemetry=self.telemetry,
             healthy_now=lambda: self.log.healthy(self.last_train_loss),
             on_restored=self._restored,
             event=self.event,
-            sharded=sharded,
         )
         self.commands = CommandRunner(
             self,
@@ -254,20 +228,7 @@ class Guard:
         self._before_next_step()
         # the state training starts from, at the first poll: after an evaluation there, so
         # that a rollback to it need not evaluate again
-        self._snapshot_due = True
-
-    def _spike_skipper(self) -> SpikeSkipper | None:
-        """Rung 1 (``mitigation.skip_spikes``), where this loop can skip on the device."""
-        if not self.config.mitigation.skip_spikes:
-            return None
-        if self.telemetry is None or not self._can_skip:
-            log.warning(
-                "mitigation.skip_spikes is off for this run: skipping an update on the device "
-                "needs telemetry, a fused optimizer and no GradScaler"
-            )
-            return None
-        distributed = self.world_size > 1
-        return SpikeSkipper(self.config.mitigation, self.device, distributed=distributed)
+        self._due.snapshot = True
 
     def _resume(self, start: StartPlan) -> None:
         """Restore ``start.target`` before the first step; audited and logged with its source.
@@ -341,12 +302,7 @@ class Guard:
         """Add state that checkpoints save and rollbacks restore (anything with state_dict).
         Registered after a restore (a ``resume``) and before the next step, it gets the state
         the checkpoint holds under ``name``."""
-        if name in self.state:
-            raise ValueError(f"state {name!r} is already registered")
-        self.state[name] = obj
-        saved = self.recovery.unclaimed.pop(name, None)
-        if saved is not None:
-            obj.load_state_dict(saved)
+        self.recovery.register(name, obj)
 
     def after_backward(
         self, loss: torch.Tensor, *, tokens: int, replay: Replay | None = None
@@ -375,16 +331,7 @@ class Guard:
             # Skip on the grad norm only: it is the same on every rank after DDP's all-reduce,
             # so every replica skips the same steps (a rank's own loss is counted, not acted on).
             norm_bad = self.telemetry.on_step(loss, norm)
-            if self.scaler is not None:
-                self.interval.skipped += norm_bad  # the GradScaler skips these steps itself
-            elif self._can_skip and (self.config.telemetry.skip_nonfinite or self._skipper):
-                skip = norm_bad if self.config.telemetry.skip_nonfinite else norm_bad & False
-                self.interval.skipped += skip
-                if self._skipper is not None:  # rung 1: a spike's update is skipped too
-                    spike = self._skipper.flag(self.telemetry.detectors) & ~skip
-                    self.interval.skipped_spikes += spike
-                    skip = skip | spike
-                self.optimizer.found_inf = skip.float()  # type: ignore[union-attr]
+            self._skips.after_step(norm_bad, self.telemetry.detectors, self.interval)
         self.interval.add(loss, norm, tokens)
         return norm
 
@@ -399,23 +346,19 @@ class Guard:
         logged = self.step % self.log_every == 0 or self.step == self.max_steps
         if logged:
             self._log_interval()
-        self._save_due = periodic_save_due(
-            self.config.checkpoint, self.step, logged, self.recovery.last_saved_at, self._group
-        )
-        every = self.config.snapshot.every
-        self._snapshot_due = every is not None and self.step % every == 0
+        self._due.step_done(self.step, logged, self.recovery.last_saved_at)
 
     def poll(self) -> None:
         """At this step boundary: take the periodic checkpoint and snapshot (after any
         evaluation of this step, so they carry the val loss), then apply control commands and
         stop signals. While the run is paused this blocks, still serving commands, until
         resumed or stopped."""
-        if self._save_due:
-            self._save_due = False
+        if self._due.save:
+            self._due.save = False
             self.save("periodic")
-        if self._snapshot_due:
-            self._snapshot_due = False
-            self._take_snapshot()
+        if self._due.snapshot:
+            self._due.snapshot = False
+            self.recovery.take_snapshot(train_loss=self.last_train_loss, val_loss=self._val_now())
         while True:
             with self.idle() if self.paused else contextlib.nullcontext():
                 commands, signalled = self.commands.gather(
@@ -509,19 +452,18 @@ class Guard:
     ) -> None:
         """Checkpoint now (rank 0 writes). Async unless ``checkpoint.async`` is off or ``wait``;
         ``on_done`` gets the meta or the error once the checkpoint is on disk."""
-        val = self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
         self.recovery.save(
             reason,
             healthy=healthy,
             train_loss=self.last_train_loss,
-            val_loss=val,
+            val_loss=self._val_now(),
             wait=wait,
             on_done=on_done,
         )
 
-    def _take_snapshot(self) -> None:
-        val = self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
-        self.recovery.take_snapshot(train_loss=self.last_train_loss, val_loss=val)
+    def _val_now(self) -> float | None:
+        """The val loss of this step's evaluation, if there was one."""
+        return self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
 
     def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> dict[str, Any]:
         """Load a checkpoint into every registered state on every rank; then skip batches.
@@ -554,9 +496,8 @@ class Guard:
         self.last_train_loss = meta.train_loss
         self.last_val = (meta.step, meta.val_loss) if meta.val_loss is not None else None
         self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
-        self._save_due = self._snapshot_due = False
-        if self._skipper is not None:
-            self._skipper.reset()
+        self._due.save = self._due.snapshot = False
+        self._skips.reset()
         self.log.restored(self.step)
 
     def set_paused(self, paused: bool) -> None:
@@ -575,18 +516,6 @@ class Guard:
         if self.config.checkpoint.save_on_exit and saved != self.step:
             self.save("final", wait=True)
 
-    def _count_refused(self, reason: str) -> None:
-        """A control connection or request refused before authentication: counted only (an
-        unauthenticated peer must not grow the audit trail)."""
-        if self.telemetry is not None:
-            self.telemetry.control_refused(reason)
-
-    def _record_rejected(self, request_id: str | None, code: ErrorCode, message: str) -> None:
-        if request_id is not None:  # a command we could identify; garbage lines are not events
-            self.event(
-                COMMAND, id=request_id, ok=False, error={"code": code.value, "message": message}
-            )
-
     def close(self, *, failed: bool = False) -> None:
         """Log the last partial interval, wait for saves, and release everything. After a
         failure nothing collective runs (the other ranks may be elsewhere)."""
@@ -594,10 +523,7 @@ class Guard:
             self._log_interval()
         self.signals.uninstall()
         self.log.close()
-        if self.recovery.sharded is not None and not failed:  # its writes are collective
-            self.recovery.sharded.close()
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
+        self.recovery.close(failed=failed)
         if self.control is not None:
             self.control.close()
         if self.telemetry is not None:

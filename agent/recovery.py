@@ -188,6 +188,23 @@ class Recovery:
         self.unclaimed: dict[str, Any] = {}
         """State in the last restored checkpoint under names not registered (yet)."""
 
+    def register(self, name: str, obj: Stateful) -> None:
+        """Add state that checkpoints carry; registered after a restore and before the next
+        step, it gets the state the checkpoint holds under ``name``."""
+        if name in self.state:
+            raise ValueError(f"state {name!r} is already registered")
+        self.state[name] = obj
+        saved = self.unclaimed.pop(name, None)
+        if saved is not None:
+            obj.load_state_dict(saved)
+
+    def close(self, *, failed: bool) -> None:
+        """Wait for the saves in flight (after a failure, not the collective ``dcp`` ones)."""
+        if self.sharded is not None and not failed:  # its writes are collective
+            self.sharded.close()
+        if self.store is not None:
+            self.store.wait()
+
     def payload(self) -> tuple[dict[str, Any], bool]:
         """Everything a bit-exact resume needs, and whether every rank is healthy now.
         Collective under torchrun: the RNG states and health of all ranks are gathered."""

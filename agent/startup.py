@@ -1,6 +1,8 @@
 """Starting a Guard's run: which checkpoint it resumes from (or none), the refusal to start
-afresh over checkpoints or the move of the previous run aside (``overwrite``), and, on rank 0,
-the run directory, the control server, the sinks, the checkpoint store and ``agent.json``."""
+afresh over checkpoints or the move of the previous run aside (``overwrite``); on rank 0, the
+run directory, the control server, the sinks, the checkpoint store, ``agent.json`` and the
+heartbeat; on every rank, the recovery of the run's checkpoint format (``torch`` payloads with
+in-memory snapshots, or ``dcp`` for a sharded model)."""
 
 from __future__ import annotations
 
@@ -13,25 +15,24 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from lossguard.agent.checkpoint.cadence import snapshot_store
+from lossguard.agent.checkpoint.dcp_format import DcpCheckpoints, ShardedState
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config
 from lossguard.agent.control.serve import serve_control
 from lossguard.agent.distributed import broadcast_objects
-from lossguard.agent.recovery import DETECTOR_STATE, Stateful
+from lossguard.agent.dtensors import is_sharded
+from lossguard.agent.heartbeat import Heartbeat
+from lossguard.agent.recovery import DETECTOR_STATE, Events, Recovery, Stateful, TrainProgress
 from lossguard.agent.telemetry.collector import Telemetry
 from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
-from lossguard.common.control.protocol import Target, parse_target
-from lossguard.common.control.server import (
-    ControlServer,
-    RefusedHook,
-    RejectHook,
-    answered_before,
-    socket_is_live,
-)
-from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.control.protocol import ErrorCode, Target, parse_target
+from lossguard.common.control.server import ControlServer, answered_before, socket_is_live
+from lossguard.common.rundir.checkpoints import CheckpointMeta, list_checkpoints
 from lossguard.common.rundir.directory import RunDirectory, package_versions, set_aside
+from lossguard.common.rundir.events import COMMAND
 from lossguard.common.rundir.names import CHECKPOINT_DIR, CONFIG_FILE, SOCKET_NAME
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
@@ -75,7 +76,22 @@ class CheckpointsExist(FileExistsError):
 @dataclass(frozen=True)
 class StartPlan:
     """How a Guard starts: from the checkpoint ``target`` (None: afresh), where that came
-    from (``source``), the batches to pass over after it, and whether to overwrite."""
+    from (``source``), the batches to pass over after it, and whether to overwrite.
+
+    A run directory without checkpoints is started in (a run that crashed before its first
+    checkpoint starts again). One with checkpoints is refused (``CheckpointsExist``) unless
+    ``resume`` or ``overwrite`` says what to do:
+
+    - ``resume``: a target (``latest``, ``last_good``, ``best``, a step, a checkpoint name such
+      as ``step_00000150``) restored, on every rank, before the first step; then
+      ``skip_batches`` batches are passed over. ``$LOSSGUARD_RESUME``, set by the supervisor for
+      a restart, wins over ``resume``, ``skip_batches`` and ``overwrite``. A ``resumed`` event
+      records the target, where it came from and what was restored.
+    - ``overwrite=True``: start over from step 0. The previous run's checkpoints, metrics and
+      events, config and environment records are moved, not deleted, into
+      ``run_dir/overwritten-<time>/`` (an ``overwritten`` event says where); refused while
+      another agent serves the run directory's control socket.
+    """
 
     target: Target | None
     source: str | None
@@ -160,6 +176,7 @@ class OpenedRun(NamedTuple):
     control: ControlServer | None
     checkpoints: CheckpointStore
     sinks: list[Sink]
+    heartbeat: Heartbeat
 
 
 def start_telemetry(
@@ -216,22 +233,32 @@ def open_run(
     device: torch.device,
     world_size: int,
     telemetry: Telemetry | None,
-    on_reject: RejectHook,
-    on_refused: RefusedHook,
+    event: Events,
     progress: tuple[int | None, int] | None,
 ) -> OpenedRun:
-    """Rank 0, in the run directory just opened: the control server, the sinks, the records
-    and ``agent.json``. ``progress``: (max_steps, step) for the progress display; None: no
-    display."""
+    """Rank 0, in the run directory just opened: the control server, the sinks, the records,
+    ``agent.json`` and the heartbeat. ``event`` audits rejected commands; ``progress``:
+    (max_steps, step) for the progress display; None: no display."""
     path = run_dir.path
     continuing = (path / CONFIG_FILE).exists()
+
+    def rejected(request_id: str | None, code: ErrorCode, message: str) -> None:
+        if request_id is not None:  # a command we could identify; garbage lines are not events
+            event(COMMAND, id=request_id, ok=False, error={"code": code.value, "message": message})
+
+    def refused(reason: str) -> None:
+        """Refused before authentication: counted only (an unauthenticated peer must not grow
+        the audit trail)."""
+        if telemetry is not None:
+            telemetry.control_refused(reason)
+
     # these fail before any file is written
     control = serve_control(
         config.control,
         path,
-        on_reject,
+        rejected,
         answered=answered_before(run_dir.read_events()),
-        on_refused=on_refused,
+        on_refused=refused,
     )
     sinks: list[Sink] = [MetricsLogSink(run_dir.metrics)]
     if config.wandb.enabled:
@@ -261,4 +288,56 @@ def open_run(
     )
     if progress is not None:
         sinks.append(DisplaySink(make_progress(*progress)))
-    return OpenedRun(control, checkpoints, sinks)
+    heartbeat = Heartbeat(path)  # from agent.json on: a remote monitor's sign
+    return OpenedRun(control, checkpoints, sinks, heartbeat)
+
+
+def start_recovery(
+    config: Config,
+    state: dict[str, Stateful],
+    progress: TrainProgress,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    path: Path,
+    store: CheckpointStore | None,
+    group: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    telemetry: Telemetry | None,
+    healthy_now: Callable[[], bool],
+    on_restored: Callable[[CheckpointMeta], None],
+    event: Events,
+) -> Recovery:
+    """The recovery of every registered state in ``state`` (``model`` and ``optimizer``
+    among them): ``dcp`` checkpoints for a sharded
+    model (written by every rank), else ``torch`` ones with the in-memory snapshots that
+    ``config.snapshot`` asks for."""
+    sharded = (
+        DcpCheckpoints(
+            path / CHECKPOINT_DIR,
+            ShardedState(model, optimizer),
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+        )
+        if is_sharded(model)
+        else None
+    )
+    return Recovery(
+        state,
+        progress,
+        store=store,
+        snapshots=None if sharded else snapshot_store(config.snapshot),  # torch only
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        async_save=config.checkpoint.async_save,
+        telemetry=telemetry,
+        healthy_now=healthy_now,
+        on_restored=on_restored,
+        event=event,
+        sharded=sharded,
+    )

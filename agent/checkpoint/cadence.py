@@ -1,5 +1,5 @@
 """When the Guard saves and snapshots on its own: the periodic checkpoint's step or time
-cadence, and the in-memory snapshot store that ``snapshot`` configures."""
+cadence, the snapshot cadence, and the in-memory snapshot store that ``snapshot`` configures."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
-from lossguard.agent.config import CheckpointConfig, SnapshotConfig
+from lossguard.agent.config import CheckpointConfig, Config, SnapshotConfig
 from lossguard.agent.distributed import all_reduce_max
 from lossguard.common.sizes import budget_bytes
 
@@ -25,6 +25,25 @@ def periodic_save_due(
         return False
     late = time.monotonic() - last_saved_at >= cfg.every_seconds
     return bool(all_reduce_max([int(late)], group)[0])
+
+
+class Due:
+    """What the step boundary just reached takes at the next poll: the periodic checkpoint
+    (``save``) and the snapshot (``snapshot``)."""
+
+    def __init__(self, config: Config, group: Any) -> None:
+        self.config = config
+        self.group = group
+        self.save = False
+        self.snapshot = False
+
+    def step_done(self, step: int, logged: bool, last_saved_at: float) -> None:
+        """After optimizer step ``step`` (``logged``: its log interval was written)."""
+        self.save = periodic_save_due(
+            self.config.checkpoint, step, logged, last_saved_at, self.group
+        )
+        every = self.config.snapshot.every
+        self.snapshot = every is not None and step % every == 0
 
 
 def snapshot_store(cfg: SnapshotConfig) -> SnapshotStore | None:
