@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lossguard.common.rundir.jsonl import parse_json_object
+
 RunExit = Literal["completed", "stopped", "preempted", "failed"]
 """How a run ended: completed its steps, stopped on purpose (command or signal), preempted (the
 preempt signal, SIGUSR1: state saved, to be requeued), or failed."""
@@ -59,12 +61,7 @@ class AgentInfo:
     @classmethod
     def parse(cls, data: bytes | str) -> AgentInfo:
         """The contents of an ``agent.json``; ValueError names what is wrong, on one line."""
-        try:
-            info = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not JSON ({exc})") from None
-        if not isinstance(info, dict):
-            raise ValueError("not a JSON object")
+        info = parse_json_object(data)
         urls = _field(info, "metrics_urls", list)
         if not all(isinstance(url, str) for url in urls):
             raise ValueError("metrics_urls: expected a list of URLs")

@@ -23,6 +23,17 @@ def json_object(line: bytes | str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def parse_json_object(data: bytes | str) -> dict[str, Any]:
+    """A whole file's contents as a JSON object; ValueError names what is wrong, on one line."""
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    return record
+
+
 class JsonlLog:
     """An append-only JSON-lines file, safe to write from several threads; each line is
     flushed, so a crash loses at most the line being written."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from lossguard.common.rundir.jsonl import parse_json_object
 from lossguard.common.rundir.names import SUPERVISOR_FILE
 
 RESUME_ENV = "LOSSGUARD_RESUME"
@@ -52,12 +53,7 @@ class SupervisorInfo:
     @classmethod
     def parse(cls, data: bytes | str) -> SupervisorInfo:
         """The contents of a ``supervisor.json``; ValueError names what is wrong, on one line."""
-        try:
-            info = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not JSON ({exc})") from None
-        if not isinstance(info, dict):
-            raise ValueError("not a JSON object")
+        info = parse_json_object(data)
         state = info.get("state")
         if state not in ("running", "backoff", "crash_loop", "exited"):
             raise ValueError(
