@@ -304,7 +304,6 @@ def start_recovery(
     group: Any,
     rank: int,
     world_size: int,
-    device: torch.device,
     telemetry: Telemetry | None,
     healthy_now: Callable[[], bool],
     on_restored: Callable[[CheckpointMeta], None],
@@ -321,7 +320,6 @@ def start_recovery(
             store=store,
             rank=rank,
             world_size=world_size,
-            device=device,
         )
         if is_sharded(model)
         else None

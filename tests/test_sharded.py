@@ -292,3 +292,30 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_by_the_shipped_monitor_on_every_ra
     ranks = rollback["ranks"]
     assert [(r["rank"], r["step"]) for r in ranks] == [(0, 8), (1, 8)]
     assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+def test_fsdp2_with_each_block_compiled_trains_like_eager(tiny_config) -> None:
+    """model.compile under FSDP2 compiles each block's forward before it is sharded (FP8
+    layers inside); aot_eager traces as inductor does, without generating kernels."""
+    from torch._dynamo.utils import counters
+
+    from tests.test_training import fit, records
+
+    losses = {}
+    for compiled in (False, True):
+        graphs = counters["stats"]["unique_graphs"]
+        cfg = tiny_config(
+            run={"id": f"compiled-{compiled}"},
+            model={"n_layer": 2, "compile": compiled, "compile_backend": "aot_eager"},
+            precision={"dtype": "fp8"},
+            train={"max_steps": 6, "log_every": 2, "eval_every": 6},
+            distributed={"strategy": "fsdp2"},
+        )
+        result, trainer = fit(cfg)
+        assert trainer.model is trainer.raw_model  # not wrapped: the blocks are compiled
+        names = [name for name, _ in trainer.raw_model.named_parameters()]
+        assert "blocks.1.attn.c_attn.weight" in names  # the names of an eager model
+        # one graph for the blocks' forward (shared), none when eager
+        assert (counters["stats"]["unique_graphs"] > graphs) == compiled
+        losses[compiled] = [r["train_loss"] for r in records(result.run_dir, "train")]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)

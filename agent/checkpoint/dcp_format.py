@@ -11,8 +11,8 @@ makes the hidden temporary folder, every rank writes into it, and once DCP's col
 (``CheckpointStore.commit``). A rank killed mid-save leaves only the hidden folder, which the
 next store removes.
 
-Asynchronous saves: the state is staged to host memory (on GPUs: pinned buffers reused from
-save to save, copied off the device in the background), then written by a thread on its own
+Asynchronous saves: the state is staged into host buffers made at the first save and reused
+(pinned on GPUs), then written by a thread on its own
 gloo group, so the training loop's collectives never interleave with the save's. At most one
 save is in flight; training is blocked only for the staging.
 """
@@ -84,7 +84,6 @@ class DcpCheckpoints:
         store: CheckpointStore | None,
         rank: int,
         world_size: int,
-        device: torch.device,
     ) -> None:
         self.root = root
         self.sharded = sharded
@@ -92,11 +91,9 @@ class DcpCheckpoints:
         self.rank = rank
         self.world_size = world_size
         self.group = dist.new_group(backend="gloo")
-        # on GPUs: the state is staged into pinned host buffers kept for the next save (the
-        # writer's own stager: torch 2.11's DefaultStager cannot copy DTensors); elsewhere
-        # async_save copies it to host memory
-        cuda = device.type == "cuda"
-        self.writer = FileSystemWriter(root, cache_staged_state_dict=True) if cuda else None
+        # the state is staged into host buffers made at the first save and reused (pinned on
+        # GPUs): the writer's own stager (torch 2.11's DefaultStager cannot copy DTensors)
+        self.writer = FileSystemWriter(root, cache_staged_state_dict=True)
         self._upload: Future[Any] | None = None
         self._delay_s = 0.0
         self._publisher: threading.Thread | None = None
@@ -218,5 +215,4 @@ class DcpCheckpoints:
     def close(self) -> None:
         """Wait for the save in flight and release the staging buffers."""
         self.wait()
-        if self.writer is not None:
-            self.writer.close()
+        self.writer.close()
