@@ -202,6 +202,7 @@ class Guard:
             group=self._group,
             rank=self.rank,
             world_size=self.world_size,
+            device=self.device,
             telemetry=self.telemetry,
             healthy_now=lambda: self.log.healthy(self.last_train_loss),
             on_restored=self._restored,

@@ -304,6 +304,7 @@ def start_recovery(
     group: Any,
     rank: int,
     world_size: int,
+    device: torch.device,
     telemetry: Telemetry | None,
     healthy_now: Callable[[], bool],
     on_restored: Callable[[CheckpointMeta], None],
@@ -320,6 +321,7 @@ def start_recovery(
             store=store,
             rank=rank,
             world_size=world_size,
+            device=device,
         )
         if is_sharded(model)
         else None

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
@@ -84,6 +85,7 @@ class DcpCheckpoints:
         store: CheckpointStore | None,
         rank: int,
         world_size: int,
+        device: torch.device,
     ) -> None:
         self.root = root
         self.sharded = sharded
@@ -91,9 +93,12 @@ class DcpCheckpoints:
         self.rank = rank
         self.world_size = world_size
         self.group = dist.new_group(backend="gloo")
-        # the state is staged into host buffers made at the first save and reused (pinned on
-        # GPUs): the writer's own stager (torch 2.11's DefaultStager cannot copy DTensors)
-        self.writer = FileSystemWriter(root, cache_staged_state_dict=True)
+        # the state is staged into host buffers made at the first save and reused: on GPUs
+        # pinned, by the writer's own stager (torch 2.11's DefaultStager cannot copy DTensors
+        # there); on CPU by one DefaultStager kept from save to save (it caches its copies)
+        cuda = device.type == "cuda"
+        self.writer = FileSystemWriter(root, cache_staged_state_dict=True) if cuda else None
+        self.stager = None if cuda else DefaultStager(StagingOptions(False, False, False, False))
         self._upload: Future[Any] | None = None
         self._delay_s = 0.0
         self._publisher: threading.Thread | None = None
@@ -137,8 +142,9 @@ class DcpCheckpoints:
             checkpoint_id=tmp,
             process_group=self.group,
             storage_writer=self.writer,
+            async_stager=self.stager,
         )
-        assert isinstance(upload, Future)  # without an async_stager
+        assert isinstance(upload, Future)  # staged before async_save returns
         self._upload = upload
         if self.store is not None:
             self._publisher = threading.Thread(
@@ -215,4 +221,6 @@ class DcpCheckpoints:
     def close(self) -> None:
         """Wait for the save in flight and release the staging buffers."""
         self.wait()
-        self.writer.close()
+        for stager in (self.writer, self.stager):
+            if stager is not None:
+                stager.close()
