@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client import generate_latest
 from torch import nn
 
 from lossguard.agent import Guard
@@ -18,6 +19,7 @@ from lossguard.agent.train.spam import SPAM
 from lossguard.agent.train.trainer import Trainer
 
 from .conftest import step_records, tiny_settings
+from .test_telemetry import promtool_findings
 
 STEPS = 16
 RESUME_AT = 7  # in the warm-up after the reset at step 6; the next reset (12) comes after it
@@ -111,6 +113,7 @@ def test_resets_and_clipped_entries_are_counters_only_for_spam(tmp_path: Path) -
             assert resets is None and clipped is None
             assert "optimizer_momentum_resets" not in record
             continue
+        assert promtool_findings(generate_latest(registry).decode()) == ""
         assert isinstance(guard.optimizer, SPAM)
         totals = guard.optimizer.metric_totals.tolist()
         assert resets == totals[0] == 3  # steps 20, 40 and 60
