@@ -16,8 +16,9 @@ at density 1):
 - the step size ``lr * sqrt(1 - beta2^s) / (1 - beta1^s)`` is scaled by a cosine warm-up after
   each reset: at the ``c``-th step after it (``c = s % reset_every``, 0 at the reset), by
   ``1 - 0.99 * (1 + cos(pi * c / (warmup + 1))) / 2`` while ``c < warmup``, else by 1 (the
-  authors' ``CosineDecay(0.99, warmup)``: ``CosineAnnealingLR.step(c)``, closed form). No
-  warm-up before the first reset;
+  authors' ``CosineDecay(0.99, warmup)``: ``CosineAnnealingLR.step(c)``, closed form;
+  pytorch-optimizer 4.1.0's port takes the value at ``c + 1``). No warm-up before the first
+  reset;
 - decoupled weight decay after the update: ``p -= lr * weight_decay * p``.
 
 Skipped steps (``found_inf``, a 0/1 float device tensor, as the fused AdamW reads it: a
@@ -81,10 +82,13 @@ class SPAM(torch.optim.Optimizer):
         self.warmup = warmup
         self.threshold = threshold
         self.clip_after = clip_after
-        device = self.param_groups[0]["params"][0].device
+        device = self._first_param().device
         self.metric_totals = torch.zeros(len(OPTIMIZER_COUNTERS), dtype=torch.int64, device=device)
         self.found_inf: torch.Tensor | None = None
         self.register_load_state_dict_post_hook(_steps_on_param_devices)
+
+    def _first_param(self) -> torch.Tensor:
+        return next(p for group in self.param_groups for p in group["params"])
 
     def _init_state(self) -> None:
         """Every parameter's state at the first step (one step count for all)."""
@@ -112,8 +116,9 @@ class SPAM(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._init_state()
-        first = self.param_groups[0]["params"][0]
-        step = self.state[first]["step"].double() + 1  # this update's step, if it is applied
+        step = (
+            self.state[self._first_param()]["step"].double() + 1
+        )  # this update's step, if it is applied
         skip = self.found_inf > 0 if self.found_inf is not None else torch.zeros_like(step) > 0
         reset, factor, clip = self._schedule(step)
         reset = reset & ~skip
