@@ -185,6 +185,30 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_trains_on(
     assert all(math.isfinite(losses[s]) for s in range(STEPS + 1, STEPS + 5))
 
 
+def test_spam_trains_sharded_and_its_state_is_in_the_dcp_checkpoint(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    """SPAM under FSDP2 updates each rank's shards in place; its moments and step count are in
+    the dcp checkpoint (which resumes as the other tests here show for AdamW's)."""
+    runs = tmp_path / "runs"
+    settings = sharded_settings(runs, corpus_cache)
+    settings["train"]["max_steps"] = 8
+    spam = {"name": "spam", "reset_every": 3, "reset_warmup": 1, "clip_after": 1, "threshold": 4}
+    settings["optim"] = spam
+    finished(torchrun(2, write_config(tmp_path / "c.yaml", settings)))
+    losses = step_records(runs / "tiny")
+    assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1] - 0.3  # it learns
+    full = full_state(runs / "tiny/checkpoints/step_00000004", tmp_path)
+    state, weights = full["optimizer"]["state"], full["model"]
+    assert state.keys() == weights.keys() - {"lm_head.weight"}  # every parameter (tied: wte)
+    for name, values in state.items():
+        assert set(values) == {"exp_avg", "exp_avg_sq", "step"} and values["step"] == 4
+        assert values["exp_avg"].shape == weights[name].shape  # whole, from both ranks' shards
+        assert values["exp_avg_sq"].abs().sum() > 0
+    last = [r for r in json_lines(runs / "tiny/metrics.jsonl") if r["kind"] == "train"][-1]
+    assert last["optimizer_momentum_resets"] == 2 and last["optimizer_clipped_entries"] > 0
+
+
 def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, corpus_cache: Path) -> None:
     base = sharded_settings(tmp_path / "runs", corpus_cache)
     for section, values, field in (
