@@ -312,13 +312,17 @@ class Recovery:
         disk = self.store.list() if self.store is not None else []
         return named_states(disk, self.snapshots.list() if self.snapshots else [])
 
-    def take_snapshot(self, *, train_loss: float | None, val_loss: float | None) -> None:
+    def take_snapshot(self, *, train_loss: float | None, val_loss: float | None) -> bool:
         """Copy the state to host memory (every rank, its own shards under sharding; collective
         like ``payload``). A snapshot exists only if every rank took it: the first time the
-        budget refuses one on any rank, snapshots turn off on every rank, audited and exported."""
+        budget refuses one on any rank, snapshots turn off on every rank, audited and exported.
+        False: not yet, ask again at the next boundary (a sharded optimizer before its first
+        step, whose state ``get_state_dict`` would make by stepping it)."""
         snapshots = self.snapshots
         if snapshots is None or not snapshots.enabled or self.state_mixed:
-            return
+            return True
+        if self.sharded is not None and self.sharded.sharded.before_first_step():
+            return False
         payload, all_healthy = self.payload() if self.sharded is None else self.rank_payload()
         if self.sharded is not None:
             payload["state"].update(self.sharded.sharded.state_dict())
@@ -344,6 +348,7 @@ class Recovery:
             self.telemetry.snapshots(snapshots.enabled, snapshots.held_bytes)
             if self.store is not None:
                 self.telemetry.states_changed(self.named())
+        return True
 
     def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> CheckpointMeta:
         """Load a checkpoint into every registered state on every rank; then skip batches.

@@ -63,6 +63,11 @@ class ShardedState:
         model, optim = get_state_dict(self.model, self.optimizers)
         return {"model": model, "optimizer": optim}
 
+    def before_first_step(self) -> bool:
+        """Whether the optimizer has no state yet: ``state_dict`` would make it by taking a
+        step with zero gradients and learning rate (changing a stateful optimizer's step count)."""
+        return any(not optimizer.state for optimizer in self.optimizers)
+
     def load_copy(self, saved: dict[str, Any]) -> None:
         """Load an in-memory snapshot's copy of ``state_dict`` (``saved`` holds this rank's
         local shards, at ``"model"`` and ``"optimizer"``): into the live shards, as a DCP load
