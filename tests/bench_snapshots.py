@@ -8,8 +8,8 @@
   (snapshots every 50 steps, disk checkpoints on the 30-minute cadence) and disk-only (no
   snapshots, a checkpoint every 1000 steps).
 * cost: step time of the same run with snapshots every 50 steps and without (alternated, the
-  median of 3 pairs); ``--device cuda`` for the GPU number; ``--sharded``: FSDP2 on 2 ranks
-  (``torchrun --nproc_per_node 2``), rank 0's numbers.
+  median of 3 pairs); ``--device cuda`` for the GPU number; ``--sharded``: FSDP2 under torchrun
+  on 2 ranks (on CUDA one per GPU, up to 2), rank 0's numbers.
 * skip: a one-step ``corrupt_batch`` spike at step 250, without and with
   ``mitigation.skip_spikes``, watched by the monitor: rollbacks and critical alerts, updates
   skipped as spikes, and the final validation loss against a fault-free run (rung 1 off).
@@ -130,13 +130,19 @@ def timed_run(settings: dict[str, Any]) -> tuple[float, list[float]]:
     return statistics.fmean(step_times), taken
 
 
+def sharded_ranks(device: str) -> int:
+    """Ranks of a sharded cost run: 2, or on CUDA one per GPU up to 2."""
+    return 2 if device == "cpu" else min(2, torch.cuda.device_count())
+
+
 def sharded_run(work: Path, settings: dict[str, Any]) -> tuple[float, list[float]]:
-    """``timed_run`` under ``torchrun --nproc_per_node 2`` with FSDP2; rank 0's numbers."""
+    """``timed_run`` under ``torchrun`` with FSDP2 (``sharded_ranks``); rank 0's numbers."""
     settings["distributed"] = {"strategy": "fsdp2"}
     config = write_config(work / f"{time.time_ns()}.yaml", settings)
     out = config.with_suffix(".json")
+    nproc = f"--nproc_per_node={sharded_ranks(settings['run']['device'])}"
     subprocess.run(
-        [*TORCHRUN, "--nproc_per_node=2", "-m", "tests.bench_snapshots", "--worker", str(config)],
+        [*TORCHRUN, nproc, "-m", "tests.bench_snapshots", "--worker", str(config)],
         check=True,
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -171,7 +177,7 @@ def snapshot_cost(work: Path, cache: Path, device: str, steps: int, sharded: boo
     off = statistics.median(p[1] for p in pairs)
     snap = statistics.median(taken)
     amortised = 1 + snap / (50 * off)
-    setup = f"{device}{', fsdp2 x2' if sharded else ''}"
+    setup = f"{device}{f', fsdp2 x{sharded_ranks(device)}' if sharded else ''}"
     return [
         f"| {setup} | {steps} | {1000 * off:.1f} ms | {1000 * on:.1f} ms | {ratio:.3f} | "
         f"{1000 * snap:.1f} ms | {amortised:.4f} |"

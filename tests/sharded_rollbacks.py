@@ -1,11 +1,12 @@
 """Run by tests/test_sharded.py under ``torchrun --nproc_per_node 2`` (gloo, CPU):
 
-    python -m tests.sharded_rollbacks OUT
+    python -m tests.sharded_rollbacks OUT [cuda]
 
 An FSDP2 model (dropout, so the per-rank RNG states matter; each rank its own batches) in a
 Guard loop with a checkpoint and a snapshot every 10 steps: 25 steps, a rollback to step 10
 from memory, 15 steps, the snapshots dropped, a rollback to step 10 from disk, 15 steps. Each
 rank writes its losses and the rollback answers to ``OUT/rank_K.json``; the test judges them.
+``cuda``: on each rank's GPU (nccl; the snapshots' pinned buffers and side stream).
 Then rank 1's snapshot budget shrinks to a byte (a host with less memory) and 10 more steps run:
 the snapshot of step 30 is refused there, so snapshots turn off on both ranks.
 """
@@ -26,11 +27,14 @@ from lossguard.agent.config import parse_config
 from tests.test_snapshots import train
 
 
-def main(out: Path) -> None:
-    dist.init_process_group("gloo")
+def main(out: Path, device: str) -> None:
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     rank = dist.get_rank()
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.ReLU(), nn.Linear(32, 1))
+    model = model.to(device)
     fully_shard(model[0])
     fully_shard(model[3])
     fully_shard(model)
@@ -38,6 +42,7 @@ def main(out: Path) -> None:
     torch.manual_seed(1 + rank)
     cfg = parse_config(
         {
+            "run": {"device": device},
             "telemetry": {"host": "127.0.0.1", "port": 0},
             "train": {"log_every": 5},
             "checkpoint": {"every": 10, "async": False},
@@ -77,4 +82,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cpu")
