@@ -8,8 +8,8 @@
   (snapshots every 50 steps, disk checkpoints on the 30-minute cadence) and disk-only (no
   snapshots, a checkpoint every 1000 steps).
 * cost: step time of the same run with snapshots every 50 steps and without (alternated, the
-  median of 3 pairs); ``--device cuda`` for the GPU number; ``--sharded``: FSDP2 under torchrun
-  on 2 ranks (on CUDA one per GPU, up to 2), rank 0's numbers.
+  median of 3 pairs, ``--pairs``); ``--device cuda`` for the GPU number; ``--sharded``: FSDP2
+  under torchrun on 2 ranks (on CUDA one per GPU, up to 2), rank 0's numbers.
 * skip: a one-step ``corrupt_batch`` spike at step 250, without and with
   ``mitigation.skip_spikes``, watched by the monitor: rollbacks and critical alerts, updates
   skipped as spikes, and the final validation loss against a fault-free run (rung 1 off).
@@ -158,13 +158,15 @@ def worker(config: Path) -> None:
         config.with_suffix(".json").write_text(json.dumps([step, taken]))
 
 
-def snapshot_cost(work: Path, cache: Path, device: str, steps: int, sharded: bool) -> list[str]:
-    """Step times on and off (medians of 3 alternated pairs), and the snapshots' own time
-    amortised over ``snapshot.every`` steps (each snapshot timed where it is taken)."""
+def snapshot_cost(
+    work: Path, cache: Path, device: str, steps: int, sharded: bool, runs: int
+) -> list[str]:
+    """Step times on and off (medians of ``runs`` alternated pairs), and the snapshots' own
+    time amortised over ``snapshot.every`` steps (each snapshot timed where it is taken)."""
     work.mkdir(parents=True, exist_ok=True)
     taken: list[float] = []
     pairs = []
-    for _ in range(3):
+    for _ in range(runs):
         pair = []
         for snapshots in (True, False):
             settings = cost_settings(work, cache, device, steps, snapshots)
@@ -273,6 +275,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sharded", action="store_true", help="cost: FSDP2 on 2 ranks")
+    parser.add_argument("--pairs", type=int, default=3, help="cost: on/off pairs")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -284,7 +287,9 @@ def main() -> None:
             print("| setting | restored | steps lost |", *lost_work(work / "lost", cache), sep="\n")
         if args.only in (None, "cost"):
             print("| device | steps | off | on | ratio | one snapshot | amortised |")
-            cost = snapshot_cost(work / "cost", cache, args.device, args.steps, args.sharded)
+            cost = snapshot_cost(
+                work / "cost", cache, args.device, args.steps, args.sharded, args.pairs
+            )
             print(*cost, sep="\n")
         if args.only in (None, "skip"):
             print("| run | val loss | vs fault-free | spikes skipped | rollbacks | critical |")
