@@ -1,0 +1,144 @@
+"""The framework callbacks under FSDP2, on 2 CPU processes (``torchrun``, gloo): a
+``transformers.Trainer`` sharded by accelerate's FSDP2 and a Lightning ``fit`` under
+``ModelParallelStrategy`` (``tests/fsdp2_callbacks.py``, one launch for both), each watched,
+saved to a ``dcp`` checkpoint, rolled back on every rank and stopped over the control socket.
+What cannot work is refused at start with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.fsdp import FullyShardedDataParallel
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from lossguard.agent.integrations.huggingface import LossguardCallback
+from lossguard.agent.integrations.lightning import strategy_refusal
+from lossguard.agent.recovery import weights_digest
+from lossguard.common.control.client import ControlClient
+from lossguard.common.rundir.checkpoints import read_meta
+from lossguard.common.rundir.names import SOCKET_NAME
+from tests.conftest import REPO, events, run_cli, wait_for
+from tests.fsdp2_callbacks import TinyLM, gpt2
+from tests.integration_checks import scrape
+
+SCENARIOS = ("hf", "lightning")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def operate(run_dir: Path) -> dict[str, Any]:
+    """Scrape the run while paused, save, go on, roll back to the save, go on, stop."""
+    wait_for((run_dir / "agent.json").exists, 120, f"{run_dir.name}'s agent.json")
+    info = json.loads((run_dir / "agent.json").read_text())
+    seen: dict[str, Any] = {}
+    with ControlClient(socket_path=run_dir / SOCKET_NAME, timeout=60) as ctl:
+
+        def step() -> int:
+            return int(ctl.request("status")["step"])
+
+        wait_for(lambda: step() >= 3, 60, "three steps")
+        paused = seen["paused"] = ctl.request("pause")["step"]
+        seen["scrape"] = scrape(info["metrics_url"])
+        seen["saved"] = ctl.request("save")
+        ctl.request("resume")
+        wait_for(lambda: step() >= paused + 3, 60, "three more steps")
+        ctl.request("pause")
+        seen["rollback"] = ctl.request("rollback", {"target": paused, "skip_batches": "abandoned"})
+        ctl.request("resume")
+        wait_for(lambda: step() >= paused + 2, 60, "steps after the rollback")
+        seen["stop"] = ctl.request("stop")
+    return seen
+
+
+def value(samples: dict[Any, float], name: str, rank: str, **labels: str) -> float:
+    key = (name, frozenset({"run_id": "run", "rank": rank, **labels}.items()))
+    return samples[key]
+
+
+def saved_digest(checkpoint: Path, model: nn.Module, tmp_path: Path) -> str:
+    """The weights digest of a ``dcp`` checkpoint's model, loaded whole into ``model``."""
+    whole = tmp_path / f"{checkpoint.parent.parent.name}.pt"
+    dcp_to_torch_save(checkpoint, whole)
+    model.load_state_dict(torch.load(whole, weights_only=False)["model"])
+    return weights_digest(model)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """Both scenarios in one 2-rank launch, each driven by ``operate``; the root and what each
+    operator saw."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    ranks = subprocess.Popen(
+        [*TORCHRUN, "-m", "tests.fsdp2_callbacks", str(root), *SCENARIOS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        seen = {name: operate(root / "runs" / name) for name in SCENARIOS}
+    except BaseException as failure:
+        ranks.kill()
+        raise AssertionError(ranks.communicate()[1][-3000:]) from failure
+    _, stderr = ranks.communicate(timeout=120)
+    assert ranks.returncode == 0, stderr[-3000:]
+    return root, seen
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_sharded_framework_run_is_watched_saved_with_dcp_and_rolled_back_on_every_rank(
+    runs: tuple[Path, dict[str, dict[str, Any]]], scenario: str, tmp_path: Path
+) -> None:
+    root, seen = runs[0], runs[1][scenario]
+    run_dir = root / "runs" / scenario
+    paused, saved, rollback = seen["paused"], seen["saved"], seen["rollback"]
+    # Guard's metrics while paused, the gradient norm taken over the DTensor shards
+    for rank in ("0", "1"):
+        assert value(seen["scrape"], "lossguard_step", rank) == paused
+    assert value(seen["scrape"], "lossguard_paused", "0") == 1
+    assert value(seen["scrape"], "lossguard_train_loss", "0") > 0
+    assert value(seen["scrape"], "lossguard_grad_norm", "0") > 0
+    assert value(seen["scrape"], "lossguard_tokens_per_second", "0") > 0
+    # the save: a dcp checkpoint of both ranks' shards, listed by lossguard-ctl from disk
+    assert saved["step"] == paused
+    checkpoint = run_dir / "checkpoints" / saved["name"]
+    meta = read_meta(checkpoint)
+    assert meta.format == "dcp" and meta.extra["world_size"] == 2
+    assert {"__0_0.distcp", "__1_0.distcp", "rank_0.pt", "rank_1.pt"} <= set(meta.files)
+    listed = run_cli(
+        "--run-dir", str(run_dir), "--json", "checkpoints", module="lossguard.agent.control.ctl"
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert saved["name"] in [c["name"] for c in json.loads(listed.stdout)["checkpoints"]]
+    # the rollback: one collective restore, every rank at the save's step with its weights
+    assert rollback["to_step"] == paused and rollback["checkpoint"] == saved["name"]
+    assert [(r["rank"], r["step"]) for r in rollback["ranks"]] == [(0, paused), (1, paused)]
+    model = gpt2() if scenario == "hf" else TinyLM()
+    digest = saved_digest(checkpoint, model, tmp_path)
+    assert [r["weights"] for r in rollback["ranks"]] == [digest, digest]
+    # the stop: the run ended stopped, and the framework wrote its own checkpoints
+    assert json.loads((run_dir / "agent.json").read_text())["exit"] == "stopped"
+    written = [Path(e["path"]) for e in events(run_dir) if e["event"] == "framework_checkpoint"]
+    assert len(written) == 2 and all(path.exists() for path in written)
+
+
+def test_what_cannot_work_is_refused_at_start_with_one_line(tmp_path: Path) -> None:
+    """Lightning's FSDPStrategy (FSDP1, and CUDA-only) and DeepSpeed; the Trainer with
+    DeepSpeed or a model accelerate wrapped in FSDP1."""
+    assert strategy_refusal(ModelParallelStrategy()) is None
+    assert strategy_refusal(DDPStrategy()) is None
+    assert strategy_refusal(FSDPStrategy()) == (
+        "FSDPStrategy wraps the model in FSDP1 (FullyShardedDataParallel), whose flattened "
+        "shards the callback can neither measure nor checkpoint; use ModelParallelStrategy "
+        "with fully_shard (FSDP2) in configure_model"
+    )
