@@ -75,7 +75,7 @@ def accelerate_fsdp_on_cpu() -> None:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
 
-    AcceleratorState.__init__ = init  # type: ignore[method-assign]
+    AcceleratorState.__init__ = init
 
 
 def run_trainer(root: Path) -> None:
@@ -92,7 +92,7 @@ def run_trainer(root: Path) -> None:
         use_cpu=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
-        fsdp=True,
+        fsdp=True,  # type: ignore[arg-type]  # transformers 5.24's own advice
         fsdp_config={
             "version": 2,
             "transformer_layer_cls_to_wrap": ["GPT2Block"],
@@ -110,7 +110,9 @@ class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm(x))
@@ -128,6 +130,7 @@ class TinyLM(pl.LightningModule):
         self.head = nn.Linear(width, VOCAB)
 
     def configure_model(self) -> None:
+        assert self.device_mesh is not None  # ModelParallelStrategy's
         mesh = self.device_mesh["data_parallel"]
         for block in self.blocks:
             fully_shard(block, mesh=mesh)

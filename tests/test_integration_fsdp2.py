@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+import torch.distributed as dist
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+)
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -47,7 +55,7 @@ def operate(run_dir: Path) -> dict[str, Any]:
 
         wait_for(lambda: step() >= 3, 60, "three steps")
         paused = seen["paused"] = ctl.request("pause")["step"]
-        seen["scrape"] = scrape(info["metrics_url"])
+        seen["scrape"] = {k: v for url in info["metrics_urls"] for k, v in scrape(url).items()}
         seen["saved"] = ctl.request("save")
         ctl.request("resume")
         wait_for(lambda: step() >= paused + 3, 60, "three more steps")
@@ -59,9 +67,8 @@ def operate(run_dir: Path) -> dict[str, Any]:
     return seen
 
 
-def value(samples: dict[Any, float], name: str, rank: str, **labels: str) -> float:
-    key = (name, frozenset({"run_id": "run", "rank": rank, **labels}.items()))
-    return samples[key]
+def value(samples: dict[Any, float], run_id: str, name: str, rank: str) -> float:
+    return samples[(name, frozenset({"run_id": run_id, "rank": rank}.items()))]
 
 
 def saved_digest(checkpoint: Path, model: nn.Module, tmp_path: Path) -> str:
@@ -104,11 +111,12 @@ def test_a_sharded_framework_run_is_watched_saved_with_dcp_and_rolled_back_on_ev
     paused, saved, rollback = seen["paused"], seen["saved"], seen["rollback"]
     # Guard's metrics while paused, the gradient norm taken over the DTensor shards
     for rank in ("0", "1"):
-        assert value(seen["scrape"], "lossguard_step", rank) == paused
-    assert value(seen["scrape"], "lossguard_paused", "0") == 1
-    assert value(seen["scrape"], "lossguard_train_loss", "0") > 0
-    assert value(seen["scrape"], "lossguard_grad_norm", "0") > 0
-    assert value(seen["scrape"], "lossguard_tokens_per_second", "0") > 0
+        assert value(seen["scrape"], scenario, "lossguard_step", rank) == paused
+        assert value(seen["scrape"], scenario, "lossguard_paused", rank) == 1
+        assert value(seen["scrape"], scenario, "lossguard_train_loss", rank) > 0
+        assert value(seen["scrape"], scenario, "lossguard_tokens_per_second", rank) > 0
+    norms = [value(seen["scrape"], scenario, "lossguard_grad_norm", rank) for rank in "01"]
+    assert norms[0] > 0 and norms[0] == norms[1]  # the global norm: the same on every rank
     # the save: a dcp checkpoint of both ranks' shards, listed by lossguard-ctl from disk
     assert saved["step"] == paused
     checkpoint = run_dir / "checkpoints" / saved["name"]
@@ -132,9 +140,46 @@ def test_a_sharded_framework_run_is_watched_saved_with_dcp_and_rolled_back_on_ev
     assert len(written) == 2 and all(path.exists() for path in written)
 
 
-def test_what_cannot_work_is_refused_at_start_with_one_line(tmp_path: Path) -> None:
-    """Lightning's FSDPStrategy (FSDP1, and CUDA-only) and DeepSpeed; the Trainer with
-    DeepSpeed or a model accelerate wrapped in FSDP1."""
+@pytest.fixture
+def group_of_one() -> Iterator[None]:
+    """A gloo process group of this process alone (FSDP1 needs one), left afterwards."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`:UserWarning")
+def test_the_trainer_with_fsdp1_or_deepspeed_is_refused_at_start(
+    tmp_path: Path, group_of_one: None
+) -> None:
+    """A model wrapped in FSDP1 (as accelerate does for fsdp_config version 1), and DeepSpeed
+    (not installed here: its setting alone)."""
+    model = FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4)), device_id=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none")
+    callback = LossguardCallback(tmp_path / "run")
+    begin = (args, TrainerState(), TrainerControl())
+    with pytest.raises(ValueError) as refused:
+        callback.on_train_begin(*begin, model=model, optimizer=optimizer)
+    assert str(refused.value) == (
+        "LossguardCallback: transformers.Trainer wrapped the model in FSDP1 "
+        "(FullyShardedDataParallel), whose flattened shards the callback can neither measure "
+        "nor checkpoint; use FSDP2 (fsdp_config={'version': 2})"
+    )
+    args.deepspeed = "ds_config.json"
+    with pytest.raises(ValueError, match=r"^LossguardCallback: DeepSpeed keeps the gradients"):
+        callback.on_train_begin(*begin, model=nn.Linear(4, 4), optimizer=optimizer)
+    assert not (tmp_path / "run").exists() and callback.guard is None
+
+
+def test_lightning_strategies_that_cannot_work_are_refused_with_one_line() -> None:
+    """FSDPStrategy (FSDP1; CUDA only, so Lightning refuses it on CPU itself) and DeepSpeed
+    (not installed here: an instance made without its constructor)."""
     assert strategy_refusal(ModelParallelStrategy()) is None
     assert strategy_refusal(DDPStrategy()) is None
     assert strategy_refusal(FSDPStrategy()) == (
@@ -142,3 +187,5 @@ def test_what_cannot_work_is_refused_at_start_with_one_line(tmp_path: Path) -> N
         "shards the callback can neither measure nor checkpoint; use ModelParallelStrategy "
         "with fully_shard (FSDP2) in configure_model"
     )
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    assert (strategy_refusal(deepspeed) or "").startswith("DeepSpeedStrategy keeps the gradients")

@@ -280,7 +280,7 @@ def refuse_fsdp1(framework: str, model: nn.Module, fsdp2: str) -> None:
     ``fsdp2`` says how the framework shards with FSDP2 instead."""
     if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
         raise ValueError(
-            f"LossguardCallback: {framework} wrapped the model in FSDP1 (FullyShardedDataParallel), "
-            f"whose flattened shards the callback can neither measure nor checkpoint; use FSDP2 "
-            f"({fsdp2})"
+            f"LossguardCallback: {framework} wrapped the model in FSDP1 "
+            "(FullyShardedDataParallel), whose flattened shards the callback can neither measure "
+            f"nor checkpoint; use FSDP2 ({fsdp2})"
         )
