@@ -26,7 +26,9 @@ from lightning.pytorch.strategies import (
 )
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from lossguard.agent.integrations.huggingface import LossguardCallback
@@ -175,6 +177,29 @@ def test_the_trainer_with_fsdp1_or_deepspeed_is_refused_at_start(
     with pytest.raises(ValueError, match=r"^LossguardCallback: DeepSpeed keeps the gradients"):
         callback.on_train_begin(*begin, model=nn.Linear(4, 4), optimizer=optimizer)
     assert not (tmp_path / "run").exists() and callback.guard is None
+
+
+def test_tensor_parallel_models_are_refused_at_start(tmp_path: Path, group_of_one: None) -> None:
+    """Tensor parallelism leaves parameters on another mesh than FSDP2's, or plain ones."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    parallelize_module(model[0], mesh["tp"], ColwiseParallel())
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none")
+    callback = LossguardCallback(tmp_path / "run")
+    begin = (args, TrainerState(), TrainerControl())
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError) as refused:
+        callback.on_train_begin(*begin, model=model, optimizer=optimizer)
+    assert str(refused.value) == (
+        "LossguardCallback: the model's parameters are DTensors on 1 device mesh(es) and 2 plain "
+        "tensors; the gradient norm needs them all on one mesh (FSDP2 / HSDP over the whole "
+        "model: fsdp_config={'version': 2}) or none sharded, so tensor parallelism is not "
+        "supported"
+    )
+    fully_shard(model, mesh=mesh["dp"])  # tensor parallel and FSDP2: two meshes
+    with pytest.raises(ValueError, match=r"DTensors on 2 device mesh\(es\) and 0 plain"):
+        callback.on_train_begin(*begin, model=model, optimizer=optimizer)
+    assert not (tmp_path / "run").exists()
 
 
 def test_lightning_strategies_that_cannot_work_are_refused_with_one_line() -> None:

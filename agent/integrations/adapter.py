@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lossguard.agent.config import Config
 from lossguard.agent.guard import Guard
@@ -271,16 +270,4 @@ def framework_wandb_conflict(framework: str, config: Config | None) -> None:
         raise ValueError(
             f"wandb.enabled: {framework} already logs to W&B in this run; turn lossguard's "
             "W&B logging off (the callback's metrics go to Prometheus and metrics.jsonl)"
-        )
-
-
-def refuse_fsdp1(framework: str, model: nn.Module, fsdp2: str) -> None:
-    """Refuse a model wrapped in FSDP1 (``FullyShardedDataParallel``): its flattened shards are
-    not DTensors, so Guard could neither take the global gradient norm nor checkpoint them.
-    ``fsdp2`` says how the framework shards with FSDP2 instead."""
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        raise ValueError(
-            f"LossguardCallback: {framework} wrapped the model in FSDP1 "
-            "(FullyShardedDataParallel), whose flattened shards the callback can neither measure "
-            f"nor checkpoint; use FSDP2 ({fsdp2})"
         )

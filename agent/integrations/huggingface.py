@@ -24,11 +24,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from lossguard.agent.integrations.adapter import (
-    GuardedCallback,
-    framework_wandb_conflict,
-    refuse_fsdp1,
-)
+from lossguard.agent.integrations.adapter import GuardedCallback, framework_wandb_conflict
+from lossguard.agent.integrations.sharding import refuse_unguardable
 from lossguard.common.rundir.events import FRAMEWORK_CHECKPOINT
 
 FRAMEWORK = "transformers.Trainer"
@@ -59,7 +56,7 @@ class LossguardCallback(GuardedCallback, TrainerCallback):
                 "engine, out of the callback's reach; use accelerate's FSDP2 "
                 "(fsdp_config={'version': 2}), DDP or one process"
             )
-        refuse_fsdp1(FRAMEWORK, model, "fsdp_config={'version': 2}")
+        refuse_unguardable(FRAMEWORK, model, "fsdp_config={'version': 2}")
         if "wandb" in (args.report_to or []):
             framework_wandb_conflict(FRAMEWORK, self.config)
         self._max_grad_norm = args.max_grad_norm

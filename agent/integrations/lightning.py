@@ -33,6 +33,7 @@ from lossguard.agent.integrations.adapter import (
     batch_tokens,
     framework_wandb_conflict,
 )
+from lossguard.agent.integrations.sharding import refuse_unguardable
 from lossguard.common.rundir.events import FRAMEWORK_CHECKPOINT
 
 FRAMEWORK = "Lightning"
@@ -94,6 +95,7 @@ class LossguardCallback(GuardedCallback, pl.Callback):
         refusal = strategy_refusal(trainer.strategy)
         if refusal is not None:
             raise ValueError(f"LossguardCallback: {refusal}")
+        refuse_unguardable(FRAMEWORK, pl_module, "fully_shard in configure_model")
         if len(trainer.optimizers) != 1:
             raise ValueError(
                 f"LossguardCallback: needs exactly one optimizer, not {len(trainer.optimizers)}"
