@@ -119,8 +119,8 @@ class Block(nn.Module):
 
 
 class TinyLM(pl.LightningModule):
-    """Embedding, two residual MLP blocks and a head; ``configure_model`` shards every block
-    and the root over the data-parallel mesh (FSDP2)."""
+    """Embedding, two residual MLP blocks and a head; under ``ModelParallelStrategy``,
+    ``configure_model`` shards every block and the root over the data-parallel mesh (FSDP2)."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
@@ -130,7 +130,8 @@ class TinyLM(pl.LightningModule):
         self.head = nn.Linear(width, VOCAB)
 
     def configure_model(self) -> None:
-        assert self.device_mesh is not None  # ModelParallelStrategy's
+        if self.device_mesh is None:  # not ModelParallelStrategy: nothing to shard here
+            return
         mesh = self.device_mesh["data_parallel"]
         for block in self.blocks:
             fully_shard(block, mesh=mesh)

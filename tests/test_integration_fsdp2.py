@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
+from lossguard.agent.integrations import lightning
 from lossguard.agent.integrations.huggingface import LossguardCallback
 from lossguard.agent.integrations.lightning import strategy_refusal
 from lossguard.agent.recovery import weights_digest
@@ -38,7 +40,7 @@ from lossguard.common.control.client import ControlClient
 from lossguard.common.rundir.checkpoints import read_meta
 from lossguard.common.rundir.names import SOCKET_NAME
 from tests.conftest import REPO, events, run_cli, wait_for
-from tests.fsdp2_callbacks import TinyLM, gpt2
+from tests.fsdp2_callbacks import TinyLM, TokenData, gpt2
 from tests.integration_checks import scrape
 
 SCENARIOS = ("hf", "lightning")
@@ -214,3 +216,28 @@ def test_lightning_strategies_that_cannot_work_are_refused_with_one_line() -> No
     )
     deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
     assert (strategy_refusal(deepspeed) or "").startswith("DeepSpeedStrategy keeps the gradients")
+
+
+@pytest.mark.gpu
+def test_lightning_fsdp_strategy_is_refused_when_fit_starts_on_a_gpu(tmp_path: Path) -> None:
+    """Lightning runs FSDPStrategy only on GPUs: there the callback stops ``fit`` at its start."""
+    callback = lightning.LossguardCallback(tmp_path / "run")
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=FSDPStrategy(),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    loader = torch.utils.data.DataLoader(TokenData(8), batch_size=4)
+    try:
+        with pytest.raises(ValueError, match=r"^LossguardCallback: FSDPStrategy wraps the model"):
+            trainer.fit(TinyLM(), loader)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert not (tmp_path / "run").exists() and callback.guard is None
