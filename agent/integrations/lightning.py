@@ -40,7 +40,7 @@ FRAMEWORK = "Lightning"
 
 
 SUPPORTED = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
-NOT_SUPPORTED = (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)  # subclasses of those
+XLA = (XLAStrategy, SingleDeviceXLAStrategy)  # subclasses of supported ones, not supported
 
 
 def strategy_refusal(strategy: Strategy) -> str | None:
@@ -56,7 +56,7 @@ def strategy_refusal(strategy: Strategy) -> str | None:
             "DeepSpeedStrategy keeps the gradients and optimizer state in its own engine, out of "
             "the callback's reach; use ModelParallelStrategy with fully_shard (FSDP2) or DDP"
         )
-    if isinstance(strategy, NOT_SUPPORTED) or not isinstance(strategy, SUPPORTED):
+    if isinstance(strategy, XLA) or not isinstance(strategy, SUPPORTED):
         return (
             f"strategy {type(strategy).__name__} is not supported; the callback supports one "
             "device, DDP and ModelParallelStrategy (FSDP2)"
