@@ -39,7 +39,7 @@ from lossguard.agent.recovery import weights_digest
 from lossguard.common.control.client import ControlClient
 from lossguard.common.rundir.checkpoints import read_meta
 from lossguard.common.rundir.names import SOCKET_NAME
-from tests.conftest import REPO, events, run_cli, wait_for
+from tests.conftest import REPO, events, run_cli, stop_process, wait_for
 from tests.fsdp2_callbacks import TinyLM, TokenData, gpt2
 from tests.integration_checks import scrape
 
@@ -88,21 +88,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     """Both scenarios in one 2-rank launch, each driven by ``operate``; the root and what each
     operator saw."""
     root = tmp_path_factory.mktemp("fsdp2")
-    ranks = subprocess.Popen(
-        [*TORCHRUN, "-m", "tests.fsdp2_callbacks", str(root), *SCENARIOS],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    log = root / "ranks.log"  # a file, not a pipe nobody reads while the operators run
+    with log.open("w") as output:
+        ranks = subprocess.Popen(
+            [*TORCHRUN, "-m", "tests.fsdp2_callbacks", str(root), *SCENARIOS],
+            stdout=output,
+            stderr=output,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     try:
         seen = {name: operate(root / "runs" / name) for name in SCENARIOS}
+        ranks.wait(120)
     except BaseException as failure:
-        ranks.kill()
-        raise AssertionError(ranks.communicate()[1][-3000:]) from failure
-    _, stderr = ranks.communicate(timeout=120)
-    assert ranks.returncode == 0, stderr[-3000:]
+        stop_process(ranks)  # torchrun passes SIGTERM on to the ranks
+        raise AssertionError(log.read_text()[-3000:]) from failure
+    assert ranks.returncode == 0, log.read_text()[-3000:]
     return root, seen
 
 
