@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from lossguard.agent.recovery import weights_digest
 from lossguard.common.control.client import ControlClient
 from lossguard.common.rundir.checkpoints import read_meta
 from lossguard.common.rundir.names import SOCKET_NAME
-from tests.conftest import REPO, events, run_cli, stop_process, wait_for
+from tests.conftest import REPO, events, free_port, run_cli, stop_process, wait_for
 from tests.fsdp2_callbacks import TinyLM, TokenData, gpt2
 from tests.integration_checks import scrape
 
@@ -148,10 +147,8 @@ def test_a_sharded_framework_run_is_watched_saved_with_dcp_and_rolled_back_on_ev
 @pytest.fixture
 def group_of_one() -> Iterator[None]:
     """A gloo process group of this process alone (FSDP1 needs one), left afterwards."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
     try:
         yield
     finally:
