@@ -400,6 +400,15 @@ def test_stats_before_any_update_and_input_kinds() -> None:
     assert detector.stats_dict()["value"] == 2.0
 
 
+def test_the_flags_an_update_returns_keep_their_values() -> None:
+    """Held across later updates (the bank writes its state in place): the CUDA test below
+    reads them all at the end."""
+    detector = SpikeDetector(small(), CPU)
+    values = [*gauss(20, 3.0, 0.05), NAN, *gauss(5, 3.0, 0.05, seed=1)]
+    flags = [detector.update(torch.tensor([v])) for v in values]
+    assert [bool(f) for f in flags] == [math.isnan(v) for v in values]
+
+
 @pytest.mark.gpu
 def test_update_never_syncs_on_cuda() -> None:
     detector = SpikeDetector(default(), torch.device("cuda"))

@@ -133,7 +133,8 @@ class SpikeBank:
 
     def update(self, values: torch.Tensor) -> torch.Tensor:
         """Take this step's value of every signal (one element a row, in row order); return
-        which are non-finite (bool, one a row). Device operations only, no host sync."""
+        which are non-finite (a new bool tensor, one a row). Device operations only, no host
+        sync."""
         cfg, window, count = self.cfg, self.window, self.count
         v = self.value.copy_(values.detach().reshape(self.value.shape))
         finite = (v - v) == 0  # isfinite() in 2 kernels instead of 4
@@ -168,7 +169,7 @@ class SpikeBank:
         spike_at = self.spike_at
         opened = torch.stack((step, v, mean, std), dim=1)
         torch.where(opens.unsqueeze(1), opened, spike_at, out=spike_at)
-        return nonfinite
+        return nonfinite.clone()  # the bank's own is overwritten by the next update
 
 
 class SpikeDetector:
