@@ -37,6 +37,7 @@ def context(**changes: Any) -> IntervalContext:
         "lr_before": 1e-3,
         "loss_scale": None,
         "loss_scale_before": None,
+        "loss_scale_low": None,
         "fp16_unscaled": False,
         "grad_norm_max": 1.0,
         "fp8_overflow": None,
@@ -80,6 +81,7 @@ def test_a_nan_with_nothing_else_going_on_points_at_the_data() -> None:
         "loss_scale": None,
         "fp8_overflow_ratio": None,
         "data_position": 504,  # step 101 took position 500
+        "batch_tokens": None,  # the loop did not pass its input ids
         "causes": [
             "nothing stands out (learning rate on schedule, no gradient-norm or precision "
             "change): the non-finite value arose in the forward or backward pass of the batch "
@@ -133,11 +135,21 @@ def test_precision_causes() -> None:
     assert (
         "nothing stands out"
         in diagnose("loss", nonfinite=True, stats=seen, context=usual)["causes"][0]
-    )  # as much overflow as before: the run's own normal
-    fp16 = context(loss_scale=1024.0, loss_scale_before=65536.0)
+    )  # no more overflow than the run has had before (its highest): its own normal
+    fp16 = context(loss_scale=1024.0, loss_scale_before=65536.0)  # the first intervals
     diagnosis = diagnose("loss", nonfinite=True, stats=seen, context=fp16)
     assert diagnosis["loss_scale"] == 1024.0
     assert diagnosis["causes"] == ["fp16 loss scale fell from 65536 to 1024 (gradient overflow)"]
+    routine = context(loss_scale=32768.0, loss_scale_before=65536.0, loss_scale_low=32768.0)
+    assert (
+        "nothing stands out"
+        in diagnose("loss", nonfinite=True, stats=seen, context=routine)["causes"][0]
+    )  # the scaler backing off to where it has been before: its own normal
+    lower = context(loss_scale=8192.0, loss_scale_before=65536.0, loss_scale_low=32768.0)
+    assert diagnose("loss", nonfinite=True, stats=seen, context=lower)["causes"] == [
+        "fp16 loss scale fell from 65536 to 8192 (gradient overflow), below its lowest of the "
+        "run so far (32768)"
+    ]
     unscaled = context(fp16_unscaled=True)
     assert diagnose("loss", nonfinite=True, stats=seen, context=unscaled)["causes"] == [
         "fp16 training without loss scaling (no GradScaler)"

@@ -1,7 +1,7 @@
 """What the diagnosis says about each fault drill, on the built-in trainer: the cause the drill
-planted when there is one to see (a learning rate off its schedule, FP8 overflow), the batch
-behind a gradient burst with nothing else changed (a corrupt batch, scaled activations), and
-"nothing stands out" where a drill leaves no other trace (a NaN loss)."""
+planted when there is one to see (a learning rate off its schedule, a batch of random tokens,
+FP8 overflow), and "nothing stands out" (the data included) where a drill leaves no other trace
+(scaled activations, a NaN loss)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import json
 import re
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from lossguard.agent.config import parse_config
 from lossguard.agent.train.trainer import Trainer
@@ -56,19 +54,34 @@ def test_lr_scale_is_named_against_the_schedule(tmp_path: Path, corpus_cache: Pa
     assert found[0]["causes"][0].startswith(expected)
 
 
-@pytest.mark.parametrize("kind", ["corrupt_batch", "scale_activations"])
-def test_a_gradient_burst_on_schedule_points_at_the_batch(
-    tmp_path: Path, corpus_cache: Path, kind: str
+def test_a_corrupt_batch_is_named_as_unlike_the_run_s_data(
+    tmp_path: Path, corpus_cache: Path
 ) -> None:
-    found = diagnoses(tmp_path, corpus_cache, {"kind": kind, "factor": 100.0})
+    found = diagnoses(tmp_path, corpus_cache, {"kind": "corrupt_batch"})
+    causes = found[0]["causes"]
+    batch = f"the batch at data position {FAULT_STEP - 1}"
+    assert re.fullmatch(
+        rf"{batch} is unlike the run's data: distinct token ids \d+% of the batch against a "
+        rf"typical \d+%, token entropy [\d.]+ bits against a typical [\d.]+",
+        causes[0],
+    ), causes
+    tokens = found[0]["batch_tokens"]
+    assert tokens["unlike"] and tokens["history"] == FAULT_STEP - 1
+    assert tokens["entropy"] > tokens["typical_entropy"] + 2  # uniform bytes: about 7.6 bits
+
+
+def test_scaled_activations_do_not_blame_the_data(tmp_path: Path, corpus_cache: Path) -> None:
+    found = diagnoses(tmp_path, corpus_cache, {"kind": "scale_activations", "factor": 100.0})
     [cause] = found[0]["causes"]
     batch = f"the batch at data position {FAULT_STEP - 1}"
     assert re.fullmatch(
-        rf"gradient norm \d+x its window mean, with {QUIET} and no precision change: {batch}"
-        rf"|nothing stands out \({QUIET}, no gradient-norm or precision change\): "
-        rf"{batch} is what is left to check",
+        rf"gradient norm \d+x its window mean on {batch}, with {QUIET}, no precision change "
+        rf"and tokens like the run's data"
+        rf"|nothing stands out \({QUIET}, no gradient-norm or precision change, tokens like "
+        rf"the run's data\): {batch} is what is left to check",
         cause,
     ), cause
+    assert found[0]["batch_tokens"]["unlike"] is False
 
 
 def test_a_nan_with_nothing_else_says_nothing_stands_out(
@@ -76,9 +89,9 @@ def test_a_nan_with_nothing_else_says_nothing_stands_out(
 ) -> None:
     found = diagnoses(tmp_path, corpus_cache, {"kind": "nonfinite_loss"})
     assert found[0]["nonfinite"] and found[0]["causes"] == [
-        f"nothing stands out ({QUIET}, no gradient-norm or precision change): the non-finite "
-        f"value arose in the forward or backward pass of the batch at data position "
-        f"{FAULT_STEP - 1}"
+        f"nothing stands out ({QUIET}, no gradient-norm or precision change, tokens like the "
+        f"run's data): the non-finite value arose in the forward or backward pass of the "
+        f"batch at data position {FAULT_STEP - 1}"
     ]
 
 

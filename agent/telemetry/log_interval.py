@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from lossguard.agent.telemetry.batch_tokens import BatchTokens
 from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_stats
-from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
+from lossguard.agent.telemetry.diagnosis import IntervalContext, PrecisionHistory, diagnose
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.lr_watch import LrWatch
 from lossguard.common.rundir.events import NONFINITE
@@ -37,6 +38,7 @@ class IntervalLog:
         fp16_unscaled: bool,
         event: Callable[..., None],
         lr_watch: LrWatch | None = None,
+        tokens: BatchTokens | None = None,
     ) -> None:
         self.interval = interval
         self.telemetry = telemetry
@@ -49,9 +51,9 @@ class IntervalLog:
         self.detections = DetectionAudit()
         self.episode: dict[str, Any] | None = None
         self.lr_before: float | None = None  # at the end of the last log interval
-        self.loss_scale_before: float | None = None
-        self.fp8_before: float | None = None  # worst FP8 overflow ratio at the last interval
+        self.precision = PrecisionHistory()  # loss scale and FP8 overflow at earlier intervals
         self.lr_watch = lr_watch  # each step's lr against the schedule
+        self.tokens = tokens  # each step's token statistics, read at detections only
         self.start: tuple[int, int | None] = (0, None)  # (step, data position)
         self.logged_healthy: bool | None = True  # as of the last interval (None: unknown)
 
@@ -100,11 +102,11 @@ class IntervalLog:
             self.audit(by_signal, totals, step)
             active = any(s["active"] for s in by_signal.values())
             if self.telemetry.fp8_overflow is not None:
-                self.fp8_before = self.telemetry.fp8_overflow[1]
+                self.precision.fp8_seen(self.telemetry.fp8_overflow[1])
         self.logged_healthy = math.isfinite(record["train_loss"]) and not active
         self.interval.reset()
         self.lr_before = record["lr"]
-        self.loss_scale_before = record.get("loss_scale")
+        self.precision.loss_scale_seen(record.get("loss_scale"))
         self.start = (step, position)
         return record
 
@@ -129,7 +131,7 @@ class IntervalLog:
 
     def _context(self, totals: IntervalTotals, step: int) -> IntervalContext:
         """What a diagnosis needs beside the detector statistics (at detections only: the
-        loss scale is one more host read)."""
+        loss scale and the token statistics are one more host read each)."""
         grad_norm_max = totals.grad_norm_max / self.world_size
         fp8 = self.telemetry.fp8_overflow if self.telemetry is not None else None
         departure = self.lr_watch.departure if self.lr_watch is not None else None
@@ -139,16 +141,18 @@ class IntervalLog:
             lr=self.learning_rate(),
             lr_before=self.lr_before,
             loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
-            loss_scale_before=self.loss_scale_before,
+            loss_scale_before=self.precision.loss_scale_before,
+            loss_scale_low=self.precision.loss_scale_low,
             fp16_unscaled=self.fp16_unscaled,
             grad_norm_max=grad_norm_max if math.isfinite(grad_norm_max) else None,
             fp8_overflow=fp8,
-            fp8_overflow_before=self.fp8_before,
+            fp8_overflow_before=self.precision.fp8_high,
             scheduled=self.lr_watch is not None,
             lr_departure=astuple(departure) if departure is not None else None,
             start_step=start_step,
             start_position=start_position,
             end_position=self.data_position(),
+            batch_tokens=self.tokens.read(step) if self.tokens is not None else None,
         )
 
     def healthy(self, last_train_loss: float | None) -> bool:
@@ -187,7 +191,8 @@ class IntervalLog:
         """After a restore (and its skipped batches, and a new lr scale): diagnoses compare
         with the state training goes on from."""
         self.lr_before = self.learning_rate()
-        self.loss_scale_before = float(self.scaler.get_scale()) if self.scaler is not None else None
+        scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+        self.precision.loss_scale_before = scale
         self.start = (step, self.data_position())
 
     def restored(self, step: int) -> None:
