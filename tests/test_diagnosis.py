@@ -114,11 +114,25 @@ def test_the_learning_rate_is_judged_against_its_schedule() -> None:
     assert diagnose("loss", nonfinite=False, stats=seen, context=warmup)["causes"][0].startswith(
         "nothing stands out (learning rate on schedule"
     )
-    jumped = context(lr_departure=(100, 1.0, 1e-3))  # x1000 at step 100, back since
+    jumped = context(lr_departure=(100, 100, 1.0, 1e-3))  # x1000 at step 100, back since
     assert diagnose("loss", nonfinite=False, stats=seen, context=jumped)["causes"] == [
         "learning rate 1000x its schedule at step 100 (1 instead of 0.001)"
     ]
-    long_ago = context(lr_departure=(2, 1.0, 1e-3))  # over LR_HORIZON steps before
+    # named by where the departure began, long before the spike: from step 2 on to now (110)
+    ongoing = context(lr_departure=(2, 110, 1.0, 1e-3))
+    assert diagnose("loss", nonfinite=False, stats=seen, context=ongoing)["causes"] == [
+        "learning rate 1000x its schedule from step 2 on (1 instead of 0.001 at 2)"
+    ]
+    ended = context(lr_departure=(2, 50, 1.0, 1e-3))
+    assert diagnose("loss", nonfinite=False, stats=seen, context=ended)["causes"] == [
+        "learning rate 1000x its schedule from step 2 to 50 (1 instead of 0.001 at 2)"
+    ]
+    later = context(lr_departure=(108, 110, 1.0, 1e-3))  # it began after the spike (107)
+    assert (
+        "nothing stands out"
+        in diagnose("loss", nonfinite=False, stats=seen, context=later)["causes"][0]
+    )
+    long_ago = context(lr_departure=(2, 2, 1.0, 1e-3))  # ended over LR_HORIZON steps before
     assert (
         "nothing stands out"
         in diagnose("loss", nonfinite=False, stats=seen, context=long_ago)["causes"][0]

@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from lossguard.agent.config import parse_config
 from lossguard.agent.train.trainer import Trainer
 
@@ -47,11 +49,17 @@ def diagnoses(
     return detected
 
 
-def test_lr_scale_is_named_against_the_schedule(tmp_path: Path, corpus_cache: Path) -> None:
-    fault = {"kind": "lr_scale", "factor": 1000.0}
+@pytest.mark.parametrize(
+    ("duration", "named"), [(1, f"at step {FAULT_STEP} ("), (6, f"from step {FAULT_STEP} on (")]
+)
+def test_lr_scale_is_named_against_the_schedule(
+    tmp_path: Path, corpus_cache: Path, duration: int, named: str
+) -> None:
+    """One step at 1000x, or every step from the fault to the end (the demo's): named from the
+    step where the departure began."""
+    fault = {"kind": "lr_scale", "factor": 1000.0, "duration": duration}
     found = diagnoses(tmp_path, corpus_cache, fault, at=FAULT_STEP + 1)  # the step after its update
-    expected = f"learning rate 1000x its schedule at step {FAULT_STEP} ("
-    assert found[0]["causes"][0].startswith(expected)
+    assert found[0]["causes"][0].startswith(f"learning rate 1000x its schedule {named}")
 
 
 def test_a_corrupt_batch_is_named_as_unlike_the_run_s_data(

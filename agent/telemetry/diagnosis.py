@@ -27,7 +27,8 @@ LR_RISE = 1.5
 """Without a schedule to judge against: a learning rate at least this many times the previous
 interval's is a probable cause."""
 LR_HORIZON = 100
-"""A learning rate off its schedule up to this many steps before a detection may explain it."""
+"""A learning rate off its schedule until up to this many steps before a detection may explain
+it."""
 FP8_RISE = 2.0
 """An FP8 overflow ratio at least this many times the highest of the run's earlier samples (or
 any, after none)."""
@@ -69,7 +70,8 @@ class IntervalContext:
     fp8_overflow: tuple[str, float] | None  # (tensor, worst overflow ratio) of the last sample
     fp8_overflow_before: float | None  # the highest of the earlier samples' worst ratios
     scheduled: bool  # the learning rate follows a known schedule (a scheduler)
-    lr_departure: tuple[int, float, float] | None  # (step, lr, scheduled lr): newest above it
+    # (first step, newest step, lr, scheduled lr at the first): the newest run of steps above it
+    lr_departure: tuple[int, int, float, float] | None
     start_step: int  # the last step before this interval
     start_position: int | None  # the data position then
     end_position: int | None  # the data position now
@@ -237,8 +239,9 @@ def _precision_causes(context: IntervalContext) -> list[str]:
 
 
 def _lr_cause(diagnosis: Mapping[str, Any], context: IntervalContext) -> str | None:
-    """A learning rate above its schedule shortly before the detection; without a schedule, a
-    rise since the previous interval."""
+    """A learning rate above its schedule from a step at or before the detection, until at
+    most ``LR_HORIZON`` steps before it, named by where the departure began; without a
+    schedule, a rise since the previous interval."""
     if not context.scheduled:
         lr_ratio = diagnosis["lr_ratio"]
         if lr_ratio is not None and lr_ratio >= LR_RISE:
@@ -246,14 +249,16 @@ def _lr_cause(diagnosis: Mapping[str, Any], context: IntervalContext) -> str | N
         return None
     if context.lr_departure is None:
         return None
-    step, lr, scheduled = context.lr_departure
-    if not 0 <= diagnosis["step"] - step <= LR_HORIZON:
+    first, last, lr, scheduled = context.lr_departure
+    if not (first <= diagnosis["step"] and diagnosis["step"] - last <= LR_HORIZON):
         return None
     ratio = lr / scheduled
     times = f"{ratio:.0f}" if ratio >= 10 else f"{ratio:.1f}"
-    return (
-        f"learning rate {times}x its schedule at step {step} ({lr:.3g} instead of {scheduled:.3g})"
-    )
+    rates = f"{lr:.3g} instead of {scheduled:.3g}"
+    if first == last:
+        return f"learning rate {times}x its schedule at step {first} ({rates})"
+    until = "on" if last >= context.step else f"to {last}"  # on: to the newest step taken
+    return f"learning rate {times}x its schedule from step {first} {until} ({rates} at {first})"
 
 
 def _fp8_rose(context: IntervalContext) -> bool:
