@@ -15,6 +15,8 @@ from lossguard.agent.telemetry.batch_judge import MIN_HISTORY, judge
 from lossguard.agent.telemetry.batch_tokens import RING, BatchTokens, token_statistics
 from lossguard.agent.telemetry.diagnosis import IntervalContext, PrecisionHistory, diagnose
 
+from .conftest import count_host_reads
+
 VOCAB = 256
 ROWS, COLUMNS = 8, 64
 
@@ -43,6 +45,16 @@ def ring_with(batches: list[np.ndarray]) -> BatchTokens:
     for step, batch in enumerate(batches, start=1):
         ring.observe(step, torch.from_numpy(batch))
     return ring
+
+
+def test_recording_a_step_reads_nothing_to_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    batches = [torch.from_numpy(batch) for batch in zipf_batches(5)]
+    ring = BatchTokens(torch.device("cpu"))
+    reads = count_host_reads(monkeypatch)
+    for step, batch in enumerate(batches, start=1):
+        ring.observe(step, [batch[:4], batch[4:]])
+    assert reads == []
+    assert len(ring.read(5)) == 5 and reads == ["tolist"]  # the one read, at a diagnosis
 
 
 def test_the_ring_keeps_the_last_steps_of_this_timeline() -> None:

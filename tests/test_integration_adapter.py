@@ -1,5 +1,5 @@
-"""What the framework callbacks share (agent/integrations/adapter.py), without a framework: tokens
-counted from batches, and the settings a callback refuses with a one-line reason."""
+"""What the framework callbacks share (agent/integrations/adapter.py), without a framework: the
+input ids found in batches, and the settings a callback refuses with a one-line reason."""
 
 from __future__ import annotations
 
@@ -12,19 +12,22 @@ from torch import nn
 from lossguard.agent.config import parse_config
 from lossguard.agent.integrations.adapter import (
     FrameworkRun,
-    batch_tokens,
+    batch_inputs,
     framework_wandb_conflict,
+    token_ids,
 )
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 
-def test_tokens_are_counted_from_the_batch_shape() -> None:
+def test_the_input_ids_are_found_in_the_batch() -> None:
     ids = torch.zeros(4, 16, dtype=torch.long)
-    assert batch_tokens({"input_ids": ids, "labels": ids}) == 64
-    assert batch_tokens(ids) == 64
-    assert batch_tokens([ids, torch.zeros(4)]) == 64
-    assert batch_tokens({"pixels": ids}) == 0
-    assert batch_tokens([]) == 0
+    assert batch_inputs({"input_ids": ids, "labels": ids}) is ids
+    assert batch_inputs(ids) is ids
+    assert batch_inputs([ids, torch.zeros(4)]) is ids
+    assert batch_inputs({"pixels": ids}) is None
+    assert batch_inputs([]) is None
+    assert token_ids(ids) is ids  # ids feed the diagnosis's token statistics
+    assert token_ids(torch.zeros(4, 3)) is None and token_ids(None) is None  # features do not
 
 
 def start(run_dir: Path, **options: object) -> FrameworkRun:
