@@ -58,3 +58,18 @@ def test_bad_settings_are_refused_before_anything_is_written(
     with pytest.raises(ValueError, match=r"^wandb.enabled: Frame already logs to W&B"):
         framework_wandb_conflict("Frame", config)
     framework_wandb_conflict("Frame", parse_config({}))  # lossguard's W&B off: no conflict
+
+
+def test_a_step_hands_guard_the_input_ids_of_its_micro_batches(tmp_path: Path) -> None:
+    run = start(tmp_path / "run", config=parse_config({"telemetry": {"host": "127.0.0.1", "port": 0}}))
+    try:
+        loss = run.guard.model(torch.ones(1, 2)).sum()
+        loss.backward()
+        run.micro_batch(loss, 2, summed=True, inputs=torch.tensor([[3, 1]]))
+        run.micro_batch(loss, 2, summed=True, inputs=torch.tensor([[1, 2]]))
+        run.micro_batch(loss, 2, summed=True, inputs=torch.zeros(1, 2))  # features: left out
+        run.optimizer_step()
+        assert run.guard.log.tokens is not None
+        assert run.guard.log.tokens.read(1) == {1: pytest.approx((1.5, 0.75))}
+    finally:
+        run.guard.close()
