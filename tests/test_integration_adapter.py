@@ -61,7 +61,8 @@ def test_bad_settings_are_refused_before_anything_is_written(
 
 
 def test_a_step_hands_guard_the_input_ids_of_its_micro_batches(tmp_path: Path) -> None:
-    run = start(tmp_path / "run", config=parse_config({"telemetry": {"host": "127.0.0.1", "port": 0}}))
+    config = parse_config({"telemetry": {"host": "127.0.0.1", "port": 0}})
+    run = start(tmp_path / "run", config=config)
     try:
         loss = run.guard.model(torch.ones(1, 2)).sum()
         loss.backward()
