@@ -4,18 +4,16 @@ unlike the run's data, an ordinary one is not; precision histories likewise."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
 
 from lossguard.agent.telemetry.batch_judge import MIN_HISTORY, judge
 from lossguard.agent.telemetry.batch_tokens import RING, BatchTokens, token_statistics
-from lossguard.agent.telemetry.diagnosis import IntervalContext, PrecisionHistory, diagnose
+from lossguard.agent.telemetry.diagnosis import PrecisionHistory, diagnose
 
 from .conftest import count_host_reads
+from .test_diagnosis import context
 
 VOCAB = 256
 ROWS, COLUMNS = 8, 64
@@ -101,29 +99,6 @@ def test_too_little_history_or_an_unseen_step_is_not_judged() -> None:
     assert judge(MIN_HISTORY + 1, more) is not None
 
 
-def context(history: Mapping[int, tuple[float, ...]], **changes: Any) -> IntervalContext:
-    """A quiet interval, steps 100..110, with the batch statistics of ``history``."""
-    fields: dict[str, Any] = {
-        "step": 110,
-        "lr": 1e-3,
-        "lr_before": 1e-3,
-        "loss_scale": None,
-        "loss_scale_before": None,
-        "loss_scale_low": None,
-        "fp16_unscaled": False,
-        "grad_norm_max": 1.0,
-        "fp8_overflow": None,
-        "fp8_overflow_before": None,
-        "scheduled": True,
-        "lr_departure": None,
-        "start_step": 100,
-        "start_position": 500,
-        "end_position": 510,
-        "batch_tokens": history,
-    }
-    return IntervalContext(**{**fields, **changes})
-
-
 def test_the_diagnosis_names_a_batch_unlike_the_run_or_says_it_is_ordinary() -> None:
     usual = {step: (4.4 + 0.01 * (step % 5), 0.10) for step in range(20, 110)}
     spike = {"spike_step": 105.0, "spike_value": 9.0, "spike_mean": 2.0, "spike_std": 0.5}
@@ -132,7 +107,8 @@ def test_the_diagnosis_names_a_batch_unlike_the_run_or_says_it_is_ordinary() -> 
         "loss": {"nonfinite_step": -1.0, "mean": 2.0, "std": 0.1, **spike},
         "grad_norm": {"nonfinite_step": -1.0, "mean": 1.0, "std": 0.1, **burst},
     }
-    odd = context({**usual, 105: (7.6, 0.44)})
+    known = context(batch_tokens=usual)
+    odd = context(batch_tokens={**usual, 105: (7.6, 0.44)})
     diagnosis = diagnose("loss", nonfinite=False, stats=seen, context=odd)
     assert diagnosis["causes"] == [
         "the batch at data position 504 is unlike the run's data: distinct token ids 44% of "
@@ -141,13 +117,13 @@ def test_the_diagnosis_names_a_batch_unlike_the_run_or_says_it_is_ordinary() -> 
     ]
     tokens = diagnosis["batch_tokens"]
     assert tokens["unlike"] and tokens["entropy"] == 7.6 and tokens["typical_distinct"] == 0.1
-    ordinary = diagnose("loss", nonfinite=False, stats=seen, context=context(usual))
+    ordinary = diagnose("loss", nonfinite=False, stats=seen, context=known)
     assert ordinary["causes"] == [
         "gradient norm 40x its window mean on the batch at data position 504, with learning "
         "rate on schedule, no precision change and tokens like the run's data"
     ]
     quiet = {**seen, "grad_norm": {"nonfinite_step": -1.0, "mean": 1.0, "spike_step": -1.0}}
-    assert diagnose("loss", nonfinite=False, stats=quiet, context=context(usual))["causes"] == [
+    assert diagnose("loss", nonfinite=False, stats=quiet, context=known)["causes"] == [
         "nothing stands out (learning rate on schedule, no gradient-norm or precision change, "
         "tokens like the run's data): the batch at data position 504 is what is left to check"
     ]
