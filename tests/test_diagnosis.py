@@ -41,7 +41,7 @@ def context(**changes: Any) -> IntervalContext:
         "fp16_unscaled": False,
         "grad_norm_max": 1.0,
         "fp8_overflow": None,
-        "fp8_overflow_before": None,
+        "fp8_overflow_high": None,
         "scheduled": True,
         "lr_departure": None,
         "start_step": 100,
@@ -141,11 +141,11 @@ def test_the_learning_rate_is_judged_against_its_schedule() -> None:
 
 def test_precision_causes() -> None:
     seen = stats(loss={"nonfinite_step": 103.0})
-    fp8 = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_before=0.0)
+    fp8 = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_high=0.0)
     assert diagnose("loss", nonfinite=True, stats=seen, context=fp8)["causes"] == [
         "FP8 overflow in 12% of values (grad_output)"
     ]
-    usual = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_before=0.1)
+    usual = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_high=0.1)
     assert (
         "nothing stands out"
         in diagnose("loss", nonfinite=True, stats=seen, context=usual)["causes"][0]

@@ -68,7 +68,7 @@ class IntervalContext:
     fp16_unscaled: bool  # fp16 training without a GradScaler
     grad_norm_max: float | None  # the interval's largest pre-clip norm (mean over ranks)
     fp8_overflow: tuple[str, float] | None  # (tensor, worst overflow ratio) of the last sample
-    fp8_overflow_before: float | None  # the highest of the earlier samples' worst ratios
+    fp8_overflow_high: float | None  # the highest of the earlier samples' worst ratios
     scheduled: bool  # the learning rate follows a known schedule (a scheduler)
     # (first step, newest step, lr, scheduled lr at the first): the newest run of steps above it
     lr_departure: tuple[int, int, float, float] | None
@@ -265,7 +265,7 @@ def _fp8_rose(context: IntervalContext) -> bool:
     """FP8 overflow above its own history: any after none, else FP8_RISE times the highest
     of the earlier samples."""
     assert context.fp8_overflow is not None
-    ratio, before = context.fp8_overflow[1], context.fp8_overflow_before
+    ratio, high = context.fp8_overflow[1], context.fp8_overflow_high
     if ratio <= 0:
         return False
-    return before is None or before <= 0 or ratio >= FP8_RISE * before
+    return high is None or high <= 0 or ratio >= FP8_RISE * high

@@ -146,7 +146,7 @@ class IntervalLog:
             fp16_unscaled=self.fp16_unscaled,
             grad_norm_max=grad_norm_max if math.isfinite(grad_norm_max) else None,
             fp8_overflow=fp8,
-            fp8_overflow_before=self.precision.fp8_high,
+            fp8_overflow_high=self.precision.fp8_high,
             scheduled=self.lr_watch is not None,
             lr_departure=astuple(departure) if departure is not None else None,
             start_step=start_step,
