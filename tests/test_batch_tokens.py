@@ -55,6 +55,23 @@ def test_recording_a_step_reads_nothing_to_the_host(monkeypatch: pytest.MonkeyPa
     assert len(ring.read(5)) == 5 and reads == ["tolist"]  # the one read, at a diagnosis
 
 
+@pytest.mark.gpu
+def test_recording_never_syncs_on_cuda() -> None:
+    batches = [torch.from_numpy(batch) for batch in zipf_batches(20)]
+    on_cuda = [batch.cuda() for batch in batches]
+    ring = BatchTokens(torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step, batch in enumerate(on_cuda, start=1):
+            ring.observe(step, [batch[:4], batch[4:]])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got, expected = ring.read(20), ring_with([b.numpy() for b in batches]).read(20)
+    assert got.keys() == expected.keys()
+    assert all(got[step] == pytest.approx(expected[step]) for step in got)
+
+
 def test_the_ring_keeps_the_last_steps_of_this_timeline() -> None:
     ring = ring_with(zipf_batches(RING + 40))
     steps = sorted(ring.read(RING + 40))
