@@ -169,6 +169,7 @@ class Guard:
             event=self.event,
             lr_watch=lr_watch(optimizer, scheduler, lambda: self.step + 1),
             tokens=BatchTokens(self.device) if self.telemetry is not None else None,
+            group=self._group,
         )
         self._skips = UpdateSkips(
             self.config,

@@ -124,8 +124,8 @@ def test_the_diagnosis_names_a_batch_unlike_the_run_or_says_it_is_ordinary() -> 
         "loss": {"nonfinite_step": -1.0, "mean": 2.0, "std": 0.1, **spike},
         "grad_norm": {"nonfinite_step": -1.0, "mean": 1.0, "std": 0.1, **burst},
     }
-    known = context(batch_tokens=usual)
-    odd = context(batch_tokens={**usual, 105: (7.6, 0.44)})
+    known = context(batch_tokens=[usual])
+    odd = context(batch_tokens=[{**usual, 105: (7.6, 0.44)}])
     diagnosis = diagnose("loss", nonfinite=False, stats=seen, context=odd)
     assert diagnosis["causes"] == [
         "the batch at data position 504 is unlike the run's data: distinct token ids 44% of "
@@ -134,6 +134,7 @@ def test_the_diagnosis_names_a_batch_unlike_the_run_or_says_it_is_ordinary() -> 
     ]
     tokens = diagnosis["batch_tokens"]
     assert tokens["unlike"] and tokens["entropy"] == 7.6 and tokens["typical_distinct"] == 0.1
+    assert tokens["rank"] == 0
     ordinary = diagnose("loss", nonfinite=False, stats=seen, context=known)
     assert ordinary["causes"] == [
         "gradient norm 40x its window mean on the batch at data position 504, with learning "
@@ -154,3 +155,20 @@ def test_precision_history_keeps_the_lowest_scale_and_the_highest_overflow() -> 
     for ratio in (0.0, 0.01, 0.002):
         history.fp8_seen(ratio)
     assert history.fp8_high == 0.01  # not the last sample's: the run's highest
+
+
+def test_under_torchrun_the_share_furthest_from_its_rank_s_run_is_named() -> None:
+    usual = {step: (4.4 + 0.01 * (step % 5), 0.10) for step in range(20, 110)}
+    seen = {
+        "loss": {"nonfinite_step": 105.0, "mean": 2.0, "std": 0.1, "spike_step": -1.0},
+        "grad_norm": {"nonfinite_step": -1.0, "mean": 1.0, "spike_step": -1.0},
+    }
+    padded = {**usual, 105: (0.0, 0.002)}  # rank 2's share of step 105: all padding
+    shares = context(batch_tokens=[usual, usual, padded, {}])  # rank 3: no ids seen
+    diagnosis = diagnose("loss", nonfinite=True, stats=seen, context=shares)
+    assert diagnosis["batch_tokens"]["rank"] == 2
+    assert diagnosis["causes"] == [
+        "the batch at data position 504 (rank 2's share) is unlike the run's data: token "
+        "entropy 0 bits against a typical 4.42, distinct token ids 0.2% of the batch against "
+        "a typical 10%"
+    ]

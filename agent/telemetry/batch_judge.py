@@ -47,10 +47,17 @@ class Judged:
 
 @dataclass(frozen=True)
 class BatchJudgement:
-    """Every statistic of one step's batch, judged; ``history``: the other steps used."""
+    """Every statistic of one step's batch (``rank``'s share of it), judged; ``history``: the
+    other steps used."""
 
     judged: tuple[Judged, ...]
     history: int
+    rank: int = 0
+
+    @property
+    def furthest(self) -> float:
+        """The largest distance of a statistic from the run's, in robust standard deviations."""
+        return max(abs(j.zscore) for j in self.judged)
 
     @property
     def unlike(self) -> tuple[Judged, ...]:
@@ -61,6 +68,7 @@ class BatchJudgement:
     def as_dict(self) -> dict[str, Any]:
         """For the diagnosis: each statistic's value, typical value and z-score."""
         fields: dict[str, Any] = {"history": self.history, "unlike": bool(self.unlike)}
+        fields["rank"] = self.rank
         for j in self.judged:
             fields[j.name] = j.value
             fields[f"typical_{j.name}"] = j.typical
@@ -68,7 +76,19 @@ class BatchJudgement:
         return fields
 
 
-def judge(step: int, history: Mapping[int, Sequence[float]]) -> BatchJudgement | None:
+def judge_ranks(
+    step: int, histories: Sequence[Mapping[int, Sequence[float]]]
+) -> BatchJudgement | None:
+    """Each rank's share of ``step``'s batch against that rank's history (``histories``, by
+    rank): the share furthest from its run's (None: no rank's could be judged)."""
+    judged = [judge(step, history, rank) for rank, history in enumerate(histories)]
+    known = [j for j in judged if j is not None]
+    return max(known, key=lambda j: j.furthest) if known else None
+
+
+def judge(
+    step: int, history: Mapping[int, Sequence[float]], rank: int = 0
+) -> BatchJudgement | None:
     """``step``'s statistics (``FIELDS``) against the other steps of ``history``; None when
     the step was not recorded or there are fewer than ``MIN_HISTORY`` others."""
     own = history.get(step)
@@ -82,4 +102,4 @@ def judge(step: int, history: Mapping[int, Sequence[float]]) -> BatchJudgement |
         mad = statistics.median(abs(value - typical) for value in column)
         spread = max(_MAD_TO_STD * mad, SPREAD_FLOOR * abs(typical), 1e-12)
         judged.append(Judged(name, own[index], typical, (own[index] - typical) / spread))
-    return BatchJudgement(tuple(judged), len(others))
+    return BatchJudgement(tuple(judged), len(others), rank)

@@ -17,11 +17,11 @@ nothing stands out.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lossguard.agent.telemetry.batch_judge import BatchJudgement, judge
+from lossguard.agent.telemetry.batch_judge import BatchJudgement, judge_ranks
 
 LR_RISE = 1.5
 """Without a schedule to judge against: a learning rate at least this many times the previous
@@ -75,7 +75,8 @@ class IntervalContext:
     start_step: int  # the last step before this interval
     start_position: int | None  # the data position then
     end_position: int | None  # the data position now
-    batch_tokens: Mapping[int, tuple[float, ...]] | None = None  # token statistics by step
+    # each rank's token statistics by step (None: the input ids were not seen)
+    batch_tokens: Sequence[Mapping[int, tuple[float, ...]]] | None = None
 
     def position_of(self, step: int) -> int | None:
         """The data position of ``step``'s batch, when the interval's positions say how many
@@ -137,7 +138,7 @@ def diagnose(
     grad_norm, grad_norm_ratio = _grad_norm_at(step, stats.get("grad_norm", {}), context)
     lr_ratio = _ratio(context.lr, context.lr_before)
     position = context.position_of(step)
-    tokens = judge(step, context.batch_tokens) if context.batch_tokens else None
+    tokens = judge_ranks(step, context.batch_tokens) if context.batch_tokens else None
     diagnosis: dict[str, Any] = {
         "signal": signal,
         "step": step,
@@ -189,7 +190,9 @@ def causes(
     found = [lr_cause] if lr_cause is not None else []
     if tokens is not None and tokens.unlike:
         unlike = ", ".join(judged.describe() for judged in tokens.unlike)
-        found.append(f"{batch} is unlike the run's data: {unlike}")
+        ranks = context.batch_tokens is not None and len(context.batch_tokens) > 1
+        share = f" (rank {tokens.rank}'s share)" if ranks else ""
+        found.append(f"{batch}{share} is unlike the run's data: {unlike}")
     grad_ratio = diagnosis["grad_norm_ratio"]
     burst = None
     if grad_ratio is not None and grad_ratio >= GRAD_NORM_RISE:

@@ -11,7 +11,9 @@ from dataclasses import astuple
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
+from lossguard.agent.distributed import all_gather_objects
 from lossguard.agent.telemetry.batch_tokens import BatchTokens
 from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_stats
 from lossguard.agent.telemetry.diagnosis import IntervalContext, PrecisionHistory, diagnose
@@ -39,6 +41,7 @@ class IntervalLog:
         event: Callable[..., None],
         lr_watch: LrWatch | None = None,
         tokens: BatchTokens | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         self.interval = interval
         self.telemetry = telemetry
@@ -54,6 +57,7 @@ class IntervalLog:
         self.precision = PrecisionHistory()  # loss scale and FP8 overflow at earlier intervals
         self.lr_watch = lr_watch  # each step's lr against the schedule
         self.tokens = tokens  # each step's token statistics, read at detections only
+        self.group = group  # the control group: every rank's token statistics are gathered
         self.start: tuple[int, int | None] = (0, None)  # (step, data position)
         self.logged_healthy: bool | None = True  # as of the last interval (None: unknown)
 
@@ -152,8 +156,15 @@ class IntervalLog:
             start_step=start_step,
             start_position=start_position,
             end_position=self.data_position(),
-            batch_tokens=self.tokens.read(step) if self.tokens is not None else None,
+            batch_tokens=self._batch_tokens(step),
         )
+
+    def _batch_tokens(self, step: int) -> list[dict[int, tuple[float, ...]]] | None:
+        """Every rank's token statistics up to ``step``, by rank (collective: every rank
+        audits the same detections)."""
+        if self.tokens is None:
+            return None
+        return all_gather_objects(self.tokens.read(step), self.group)
 
     def healthy(self, last_train_loss: float | None) -> bool:
         """This rank: false inside a spike episode, or when the current interval or the last
