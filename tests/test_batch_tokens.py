@@ -163,12 +163,21 @@ def test_under_torchrun_the_share_furthest_from_its_rank_s_run_is_named() -> Non
         "loss": {"nonfinite_step": 105.0, "mean": 2.0, "std": 0.1, "spike_step": -1.0},
         "grad_norm": {"nonfinite_step": -1.0, "mean": 1.0, "spike_step": -1.0},
     }
-    padded = {**usual, 105: (0.0, 0.002)}  # rank 2's share of step 105: all padding
+    padded = {**usual, 105: (0.0, 0.002)}  # a share of step 105 that is all padding
     shares = context(batch_tokens=[usual, usual, padded, {}])  # rank 3: no ids seen
     diagnosis = diagnose("loss", nonfinite=True, stats=seen, context=shares)
     assert diagnosis["batch_tokens"]["rank"] == 2
+    assert diagnosis["batch_tokens"]["unlike_ranks"] == [2]
     assert diagnosis["causes"] == [
         "the batch at data position 504 (rank 2's share) is unlike the run's data: token "
         "entropy 0 bits against a typical 4.42, distinct token ids 0.2% of the batch against "
         "a typical 10%"
     ]
+    random = {**usual, 105: (7.6, 0.44)}  # further from the run's than the padding
+    shares = context(batch_tokens=[usual, padded, random])
+    diagnosis = diagnose("loss", nonfinite=True, stats=seen, context=shares)
+    assert diagnosis["batch_tokens"]["unlike_ranks"] == [1, 2]
+    assert diagnosis["causes"][0].startswith(
+        "the batch at data position 504 (the shares of ranks 2, 1) is unlike the run's data: "
+        "distinct token ids 44% of the batch"
+    )

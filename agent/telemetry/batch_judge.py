@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 FIELDS = ("entropy", "distinct")
@@ -53,6 +53,7 @@ class BatchJudgement:
     judged: tuple[Judged, ...]
     history: int
     rank: int = 0
+    unlike_ranks: tuple[int, ...] = ()  # of all the ranks judged, those whose share is unlike
 
     @property
     def furthest(self) -> float:
@@ -68,7 +69,7 @@ class BatchJudgement:
     def as_dict(self) -> dict[str, Any]:
         """For the diagnosis: each statistic's value, typical value and z-score."""
         fields: dict[str, Any] = {"history": self.history, "unlike": bool(self.unlike)}
-        fields["rank"] = self.rank
+        fields.update(rank=self.rank, unlike_ranks=list(self.unlike_ranks))
         for j in self.judged:
             fields[j.name] = j.value
             fields[f"typical_{j.name}"] = j.typical
@@ -80,10 +81,14 @@ def judge_ranks(
     step: int, histories: Sequence[Mapping[int, Sequence[float]]]
 ) -> BatchJudgement | None:
     """Each rank's share of ``step``'s batch against that rank's history (``histories``, by
-    rank): the share furthest from its run's (None: no rank's could be judged)."""
+    rank): the share furthest from its run's, with the ranks whose share is unlike theirs
+    (None: no rank's could be judged)."""
     judged = [judge(step, history, rank) for rank, history in enumerate(histories)]
     known = [j for j in judged if j is not None]
-    return max(known, key=lambda j: j.furthest) if known else None
+    if not known:
+        return None
+    unlike = tuple(j.rank for j in known if j.unlike)
+    return replace(max(known, key=lambda j: j.furthest), unlike_ranks=unlike)
 
 
 def judge(

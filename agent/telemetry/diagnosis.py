@@ -190,9 +190,7 @@ def causes(
     found = [lr_cause] if lr_cause is not None else []
     if tokens is not None and tokens.unlike:
         unlike = ", ".join(judged.describe() for judged in tokens.unlike)
-        ranks = context.batch_tokens is not None and len(context.batch_tokens) > 1
-        share = f" (rank {tokens.rank}'s share)" if ranks else ""
-        found.append(f"{batch}{share} is unlike the run's data: {unlike}")
+        found.append(f"{batch}{_shares(tokens, context)} is unlike the run's data: {unlike}")
     grad_ratio = diagnosis["grad_norm_ratio"]
     burst = None
     if grad_ratio is not None and grad_ratio >= GRAD_NORM_RISE:
@@ -218,6 +216,17 @@ def causes(
             f"backward pass of {batch}"
         ]
     return [f"nothing stands out ({quiet}): {batch} is what is left to check"]
+
+
+def _shares(tokens: BatchJudgement, context: IntervalContext) -> str:
+    """Under torchrun, whose share of the batch is unlike the run's data (the numbers given
+    are the first's)."""
+    if context.batch_tokens is None or len(context.batch_tokens) < 2:
+        return ""
+    ranks = [tokens.rank, *(r for r in tokens.unlike_ranks if r != tokens.rank)]
+    if len(ranks) == 1:
+        return f" (rank {ranks[0]}'s share)"
+    return f" (the shares of ranks {', '.join(map(str, ranks))})"
 
 
 def _precision_causes(context: IntervalContext) -> list[str]:
