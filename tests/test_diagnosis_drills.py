@@ -15,7 +15,8 @@ import pytest
 from lossguard.agent.config import parse_config
 from lossguard.agent.train.trainer import Trainer
 
-from .conftest import tiny_settings
+from .conftest import events, tiny_settings, write_config
+from .test_sharded import finished, torchrun
 
 FAULT_STEP = 60
 QUIET = "learning rate on schedule"
@@ -111,3 +112,23 @@ def test_an_activation_outlier_under_fp8_shows_as_overflow(
     )
     assert any(cause.startswith("FP8 overflow in ") for cause in found[0]["causes"])
     assert not any("learning rate" in cause for cause in found[0]["causes"])
+
+
+def test_under_torchrun_every_rank_s_share_is_judged(tmp_path: Path, corpus_cache: Path) -> None:
+    """DDP on 2 ranks: the ranks' statistics are gathered at the detection; the corrupt batch
+    (random tokens on both ranks) is named with both shares."""
+    settings = tiny_settings(
+        tmp_path / "runs",
+        corpus_cache,
+        train={"max_steps": 44, "warmup_steps": 10, "log_every": 2, "eval_every": 1000},
+        snapshot={"every": None},
+        faults=[{"step": 40, "kind": "corrupt_batch"}],
+        telemetry={"host": "127.0.0.1", "port": 0, "spikes": {"window": 16, "min_history": 8}},
+    )
+    finished(torchrun(2, write_config(tmp_path / "c.yaml", settings)))
+    found = [e["diagnosis"] for e in events(tmp_path / "runs/tiny") if e["event"] == "spike"]
+    assert found and found[0]["step"] == 40, found
+    assert found[0]["batch_tokens"]["unlike_ranks"] == [0, 1]
+    assert found[0]["causes"][0].startswith(
+        "the batch at data position 39 (the shares of ranks 0, 1) is unlike the run's data: "
+    )
