@@ -136,6 +136,43 @@ class TrainConfig(Section):
     early_stopping: EarlyStoppingConfig | None = None
 
 
+class OptimConfig(Section):
+    name: Literal["adamw", "spam"] = Field(
+        default="adamw",
+        description="adamw: torch's fused AdamW; spam: SPAM (spike-aware Adam with momentum "
+        "reset, Huang et al. 2025). Both take lr, beta1, beta2 and weight_decay from train.",
+    )
+    reset_every: int = Field(
+        default=500, ge=1, description="spam: steps between momentum resets (delta T)."
+    )
+    reset_warmup: int = Field(
+        default=150, ge=0, description="spam: steps of cosine step-size warm-up after a reset."
+    )
+    threshold: float = Field(
+        default=5000.0,
+        gt=0.0,
+        description="spam: clip a gradient entry whose square exceeds threshold x its second "
+        "moment.",
+    )
+    clip_after: int = Field(
+        default=20,
+        ge=1,
+        description="spam: steps after the start and after each reset before clipping (the "
+        "second moment is zero at a reset).",
+    )
+    eps: float = Field(default=1e-6, gt=0.0, description="spam: the denominator's epsilon.")
+
+    @model_validator(mode="after")
+    def _fits_the_reset_interval(self) -> OptimConfig:
+        if self.clip_after >= self.reset_every:
+            raise field_error(
+                "clip_after", f"must be < reset_every ({self.reset_every}), else nothing is clipped"
+            )
+        if self.reset_warmup > self.reset_every:
+            raise field_error("reset_warmup", f"must be <= reset_every ({self.reset_every})")
+        return self
+
+
 class PrecisionConfig(Section):
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
@@ -190,7 +227,7 @@ class MitigationConfig(Section):
     skip_spikes: bool = Field(
         default=False,
         description="Rung 1: skip on the device the update of a step whose loss (or another "
-        "of signals) is a spike (needs a fused optimizer).",
+        "of signals) is a spike (needs a fused AdamW or SPAM, optim.name).",
     )
     signals: list[Literal["loss", "grad_norm"]] = Field(
         default=["loss"],
@@ -365,6 +402,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -371,8 +371,10 @@ class Guard:
             self._due.save = False
             self.save("periodic")
         if self._due.snapshot:
-            self._due.snapshot = False
-            self.recovery.take_snapshot(train_loss=self.last_train_loss, val_loss=self._val_now())
+            taken = self.recovery.take_snapshot(
+                train_loss=self.last_train_loss, val_loss=self._val_now()
+            )
+            self._due.snapshot = not taken  # not yet: at the next boundary
         while True:
             with self.idle() if self.paused else contextlib.nullcontext():
                 commands, signalled = self.commands.gather(

@@ -9,12 +9,12 @@ window as a corrupt batch's, while the loss tells them apart (docs/benchmarks.md
 A spike here: the value is finite and more than ``zscore`` standard deviations above the mean
 of its detector's rolling window (``telemetry.spikes.window`` values that were in band), once
 the window holds ``min_history`` values; upward only. The flag is a device tensor fed into the
-fused optimizer's ``found_inf``, as a non-finite step's is: the update is not applied and the
-optimizer's step count does not advance, so Adam's bias correction goes on as if the batch had
-never been seen. More than ``max_consecutive`` spikes in a row are not skipped (the rung ends,
-the episode goes on to the alerts) until a step that is no spike. Under torchrun the flag is
-the maximum over ranks (one scalar all-reduce on the device per step), so every replica skips
-the same steps.
+optimizer's ``found_inf`` (fused AdamW, SPAM), as a non-finite step's is: the update is not
+applied and the optimizer's step count does not advance, so Adam's bias correction goes on as
+if the batch had never been seen. More than ``max_consecutive`` spikes in a row are not
+skipped (the rung ends, the episode goes on to the alerts) until a step that is no spike.
+Under torchrun the flag is the maximum over ranks (one scalar all-reduce on the device per
+step), so every replica skips the same steps.
 """
 
 from __future__ import annotations

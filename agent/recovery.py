@@ -145,10 +145,11 @@ class Recovery:
     """Saves and restores every registered state (``state``, shared with the Guard).
 
     ``store`` is the checkpoint store on rank 0 and None elsewhere; ``snapshots`` this rank's
-    in-memory snapshots (None: off); ``sharded``, for a sharded model, writes and reads
-    ``dcp`` checkpoints on every rank (``checkpoint.dcp_format``); ``healthy_now`` says
-    whether this rank is healthy at this boundary (DESIGN.md ``last_good``); ``on_restored``
-    runs after every restore; ``event`` appends to the audit trail.
+    in-memory snapshots (None: off; under sharding, of this rank's shards); ``sharded``, for a
+    sharded model, writes and reads ``dcp`` checkpoints on every rank
+    (``checkpoint.dcp_format``); ``healthy_now`` says whether this rank is healthy at this
+    boundary (DESIGN.md ``last_good``); ``on_restored`` runs after every restore; ``event``
+    appends to the audit trail.
     """
 
     def __init__(
@@ -311,27 +312,43 @@ class Recovery:
         disk = self.store.list() if self.store is not None else []
         return named_states(disk, self.snapshots.list() if self.snapshots else [])
 
-    def take_snapshot(self, *, train_loss: float | None, val_loss: float | None) -> None:
-        """Copy the state to host memory (every rank; collective like ``payload``). The first
-        time the budget refuses one, snapshots turn off: audited and exported."""
+    def take_snapshot(self, *, train_loss: float | None, val_loss: float | None) -> bool:
+        """Copy the state to host memory (every rank, its own shards under sharding; collective
+        like ``payload``). A snapshot exists only if every rank took it: the first time the
+        budget refuses one on any rank, snapshots turn off on every rank, audited and exported.
+        False: not yet, ask again at the next boundary (a sharded optimizer before its first
+        step, whose state ``get_state_dict`` would make by stepping it)."""
         snapshots = self.snapshots
         if snapshots is None or not snapshots.enabled or self.state_mixed:
-            return
-        payload, all_healthy = self.payload()
-        meta = snapshots.take(
-            self.progress.step,
-            payload,
-            tokens=self.progress.tokens,
-            healthy=all_healthy,
-            train_loss=train_loss,
-            val_loss=val_loss,
-        )
-        if meta is None:
-            self.event(SNAPSHOTS_OFF, reason=snapshots.off_reason)
+            return True
+        if self.sharded is not None and self.sharded.sharded.before_first_step():
+            return False
+        payload, all_healthy = self.payload() if self.sharded is None else self.rank_payload()
+        if self.sharded is not None:
+            payload["state"].update(self.sharded.sharded.state_dict())
+        refusals = all_gather_objects(snapshots.refusal(payload), self.group)
+        refused = [(rank, why) for rank, why in enumerate(refusals) if why is not None]
+        if refused:
+            rank, why = refused[0]
+            reason = why if self.world_size == 1 else f"rank {rank}: {why}"
+            snapshots.turn_off(reason)
+            if self.rank == 0:
+                log.warning("in-memory snapshots are off: %s", reason)
+            self.event(SNAPSHOTS_OFF, reason=reason)
+        else:
+            snapshots.take(
+                self.progress.step,
+                payload,
+                tokens=self.progress.tokens,
+                healthy=all_healthy,
+                train_loss=train_loss,
+                val_loss=val_loss,
+            )
         if self.telemetry is not None:
             self.telemetry.snapshots(snapshots.enabled, snapshots.held_bytes)
             if self.store is not None:
                 self.telemetry.states_changed(self.named())
+        return True
 
     def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> CheckpointMeta:
         """Load a checkpoint into every registered state on every rank; then skip batches.
@@ -371,7 +388,9 @@ class Recovery:
         if self.snapshots is not None:  # a copy still in flight reads what is about to change
             self.snapshots.before_update()
         try:
-            if self.sharded is not None:
+            if self.sharded is not None and is_in_memory(meta):
+                self.sharded.sharded.load_copy(payload["state"])
+            elif self.sharded is not None:
                 self.sharded.load_sharded(meta)
             self._apply(payload)
         except Exception as exc:
@@ -422,19 +441,22 @@ class Recovery:
         self, target: Target, before_step: int | None
     ) -> tuple[CheckpointMeta, dict[str, Any]]:
         """A ``dcp`` checkpoint, verified by rank 0, and this rank's payload (the sharded
-        state is read when applied)."""
+        state is read when applied); or an in-memory snapshot, each rank's own shards."""
         assert self.sharded is not None
         self.sharded.wait()
         chosen: list[Any] = [None]
         if self.store is not None:
+            memory = self.snapshots.list() if self.snapshots is not None else []
             try:
-                chosen = [self.store.load_verified(target, before_step)]
+                chosen = [self.store.load_verified(target, before_step, memory)]
             except Exception as exc:
                 chosen = [f"{exc}"]
         chosen = broadcast_objects(chosen, self.group)
         if isinstance(chosen[0], str):
             raise RestoreError(chosen[0], not_found=True)
         meta: CheckpointMeta = chosen[0]
+        if is_in_memory(meta):
+            return meta, _upgraded(self._from_memory(meta.name), meta.name)
         if meta.format != DCP_FORMAT:
             raise RestoreError(
                 f"{meta.name} is a {meta.format} checkpoint of a model that was not sharded; "

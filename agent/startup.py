@@ -1,8 +1,8 @@
 """Starting a Guard's run: which checkpoint it resumes from (or none), the refusal to start
 afresh over checkpoints or the move of the previous run aside (``overwrite``); on rank 0, the
 run directory, the control server, the sinks, the checkpoint store, ``agent.json`` and the
-heartbeat; on every rank, the recovery of the run's checkpoint format (``torch`` payloads with
-in-memory snapshots, or ``dcp`` for a sharded model)."""
+heartbeat; on every rank, the recovery of the run's checkpoint format (``torch`` payloads, or
+``dcp`` for a sharded model) with its in-memory snapshots."""
 
 from __future__ import annotations
 
@@ -311,9 +311,8 @@ def start_recovery(
     event: Events,
 ) -> Recovery:
     """The recovery of every registered state in ``state`` (``model`` and ``optimizer``
-    among them): ``dcp`` checkpoints for a sharded
-    model (written by every rank), else ``torch`` ones with the in-memory snapshots that
-    ``config.snapshot`` asks for."""
+    among them): ``dcp`` checkpoints for a sharded model (written by every rank), else
+    ``torch`` ones; either with the in-memory snapshots that ``config.snapshot`` asks for."""
     sharded = (
         DcpCheckpoints(
             path / CHECKPOINT_DIR,
@@ -330,7 +329,7 @@ def start_recovery(
         state,
         progress,
         store=store,
-        snapshots=None if sharded else snapshot_store(config.snapshot),  # torch only
+        snapshots=snapshot_store(config.snapshot),
         group=group,
         rank=rank,
         world_size=world_size,

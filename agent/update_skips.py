@@ -20,8 +20,8 @@ log = logging.getLogger("lossguard.agent")
 
 
 class UpdateSkips:
-    """Feeds the fused optimizer's ``found_inf`` each step (``telemetry_on``: the detectors
-    that flag spikes run)."""
+    """Feeds the optimizer's ``found_inf`` (fused AdamW, SPAM) each step (``telemetry_on``:
+    the detectors that flag spikes run)."""
 
     def __init__(
         self,
@@ -43,7 +43,7 @@ class UpdateSkips:
         if not telemetry_on or not self.on_device:
             log.warning(
                 "mitigation.skip_spikes is off for this run: skipping an update on the device "
-                "needs telemetry, a fused optimizer and no GradScaler"
+                "needs telemetry, a fused optimizer (or SPAM) and no GradScaler"
             )
             return
         distributed = world_size > 1

@@ -58,6 +58,17 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Optimizer updates skipped: a non-finite step, or a spike (mitigation.skip_spikes).",
         ("reason",),
     ),
+    "optimizer_momentum_resets": (
+        "counter",
+        "Momentum resets of the SPAM optimizer (optim.name spam; absent with AdamW).",
+        (),
+    ),
+    "optimizer_clipped_entries": (
+        "counter",
+        "Gradient entries the SPAM optimizer clipped as spikes, of this rank's parameters "
+        "(its shards under fsdp2/hsdp); absent with AdamW.",
+        (),
+    ),
     "fp8_amax": ("gauge", "FP8 amax, worst Float8Linear layer.", ("tensor",)),
     "fp8_overflow_ratio": ("gauge", "Fraction saturating in FP8, worst layer.", ("tensor",)),
     "fp8_underflow_ratio": ("gauge", "Fraction flushed to zero in FP8, worst layer.", ("tensor",)),
@@ -114,6 +125,10 @@ NVML_METRICS = (
     "gpu_temperature_celsius",
     "gpu_info",
 )
+
+OPTIMIZER_COUNTERS = ("optimizer_momentum_resets", "optimizer_clipped_entries")
+"""Counted by an optimizer that keeps them (``metric_totals``, agent/train/spam.py): exported
+only for such an optimizer."""
 
 
 def exposed_name(name: str) -> str:

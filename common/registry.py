@@ -23,6 +23,7 @@ from lossguard.common.catalogue import (
     CATALOGUE,
     CONTROL_REFUSALS,
     NVML_METRICS,
+    OPTIMIZER_COUNTERS,
     PREFIX,
     SIGNALS,
     SKIP_REASONS,
@@ -38,6 +39,7 @@ COUNTER_LABELS: dict[str, list[dict[str, str]]] = {
     "skipped_steps": [{"reason": r} for r in SKIP_REASONS],
     "control_commands": [],  # created by the first command
     "control_refusals": [{"reason": r} for r in CONTROL_REFUSALS],
+    **{name: [] for name in OPTIMIZER_COUNTERS},  # created when the optimizer counts them
 }
 
 

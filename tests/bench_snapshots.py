@@ -1,14 +1,15 @@
 """In-memory snapshots and the ladder's first rung, measured with real processes.
 
     python -m tests.bench_snapshots [--only lost|cost|skip|quiet|nan] [--device cpu|cuda]
-                                    [--steps N] [--demo]
+                                    [--steps N] [--sharded] [--demo]
 
 * lost: a NaN at step 1137 recovered by the monitor (shipped rules, 1 s scrape and
   evaluation): the steps between the restored state and the bad step, with the defaults
   (snapshots every 50 steps, disk checkpoints on the 30-minute cadence) and disk-only (no
   snapshots, a checkpoint every 1000 steps).
 * cost: step time of the same run with snapshots every 50 steps and without (alternated, the
-  median of 3 pairs); ``--device cuda`` for the GPU number.
+  median of 3 pairs, ``--pairs``); ``--device cuda`` for the GPU number; ``--sharded``: FSDP2
+  under torchrun on 2 ranks (on CUDA one per GPU, up to 2), rank 0's numbers.
 * skip: a one-step ``corrupt_batch`` spike at step 250, without and with
   ``mitigation.skip_spikes``, watched by the monitor: rollbacks and critical alerts, updates
   skipped as spikes, and the final validation loss against a fault-free run (rung 1 off).
@@ -26,8 +27,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sqlite3
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +54,7 @@ from tests.conftest import (
     wait_for,
     write_config,
 )
+from tests.test_sharded import TORCHRUN
 
 NAN_AT = 1137
 
@@ -86,60 +90,102 @@ def lost_work(work: Path, cache: Path) -> list[str]:
     return rows
 
 
-def step_time(work: Path, cache: Path, device: str, steps: int, snapshots: bool) -> float:
-    """Seconds per step of one in-process run (the first 20 steps not counted)."""
+def cost_settings(work: Path, cache: Path, device: str, steps: int, on: bool) -> dict[str, Any]:
+    """One cost run: snapshots every 50 steps (``on``) or none, no periodic checkpoints."""
     settings = tiny_settings(
-        work / ("on" if snapshots else "off") / f"{time.time_ns()}",
+        work / ("on" if on else "off") / f"{time.time_ns()}",
         cache,
         run={"device": device},
         train={"max_steps": steps, "log_every": 10, "eval_every": 10**6},
         telemetry={"port": 0},
-        snapshot={"every": 50 if snapshots else None},
+        snapshot={"every": 50 if on else None},
         checkpoint={"every_seconds": None, "save_on_exit": False},
     )
     if device == "cuda":
         settings["model"] = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 512}
         settings["train"]["batch_size"] = 8
         settings["data"] = {"kind": "synthetic"}
-    trainer = Trainer(parse_config(settings), progress=False)
-    trainer.fit()
-    path = trainer.run_path / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    timed = [r["step_time_seconds"] for r in lines if r["kind"] == "train" and r["step"] > 20]
-    return statistics.fmean(timed)
+    return settings
 
 
-def snapshot_cost(work: Path, cache: Path, device: str, steps: int) -> list[str]:
-    """Step times on and off (medians of 3 alternated pairs), and the snapshots' own time
-    amortised over ``snapshot.every`` steps (each snapshot timed where it is taken)."""
+def timed_run(settings: dict[str, Any]) -> tuple[float, list[float]]:
+    """Seconds per step of one in-process run (the first 20 steps not counted), and the
+    seconds of each ``take_snapshot`` (the copy; on CUDA up to its end)."""
     taken: list[float] = []
     take = Recovery.take_snapshot
 
-    def timed(self: Recovery, **kwargs: Any) -> None:
+    def timed(self: Recovery, **kwargs: Any) -> bool:
         started = time.perf_counter()
-        take(self, **kwargs)
-        if device == "cuda":
+        done = take(self, **kwargs)
+        if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copy's cost, not only its launch
         taken.append(time.perf_counter() - started)
+        return done
 
     Recovery.take_snapshot = timed  # type: ignore[method-assign]
     try:
-        pairs = [
-            (
-                step_time(work, cache, device, steps, True),
-                step_time(work, cache, device, steps, False),
-            )
-            for _ in range(3)
-        ]
+        trainer = Trainer(parse_config(settings), progress=False)
+        trainer.fit()
     finally:
         Recovery.take_snapshot = take  # type: ignore[method-assign]
+    path = trainer.run_path / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    step_times = [r["step_time_seconds"] for r in lines if r["kind"] == "train" and r["step"] > 20]
+    return statistics.fmean(step_times), taken
+
+
+def sharded_ranks(device: str) -> int:
+    """Ranks of a sharded cost run: 2, or on CUDA one per GPU up to 2."""
+    return 2 if device == "cpu" else min(2, torch.cuda.device_count())
+
+
+def sharded_run(work: Path, settings: dict[str, Any]) -> tuple[float, list[float]]:
+    """``timed_run`` under ``torchrun`` with FSDP2 (``sharded_ranks``); rank 0's numbers."""
+    settings["distributed"] = {"strategy": "fsdp2"}
+    config = write_config(work / f"{time.time_ns()}.yaml", settings)
+    out = config.with_suffix(".json")
+    nproc = f"--nproc_per_node={sharded_ranks(settings['run']['device'])}"
+    subprocess.run(
+        [*TORCHRUN, nproc, "-m", "tests.bench_snapshots", "--worker", str(config)],
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    step, taken = json.loads(out.read_text())
+    return step, taken
+
+
+def worker(config: Path) -> None:
+    """Under torchrun: ``timed_run`` of ``config``; rank 0 writes the numbers beside it."""
+    step, taken = timed_run(read_config_file(config))
+    if os.environ.get("RANK", "0") == "0":
+        config.with_suffix(".json").write_text(json.dumps([step, taken]))
+
+
+def snapshot_cost(
+    work: Path, cache: Path, device: str, steps: int, sharded: bool, runs: int
+) -> list[str]:
+    """Step times on and off (medians of ``runs`` alternated pairs), and the snapshots' own
+    time amortised over ``snapshot.every`` steps (each snapshot timed where it is taken)."""
+    work.mkdir(parents=True, exist_ok=True)
+    taken: list[float] = []
+    pairs = []
+    for _ in range(runs):
+        pair = []
+        for snapshots in (True, False):
+            settings = cost_settings(work, cache, device, steps, snapshots)
+            step, times = sharded_run(work, settings) if sharded else timed_run(settings)
+            pair.append(step)
+            taken.extend(times[1:])  # not the first (buffers allocated)
+        pairs.append(pair)
     ratio = statistics.median(on / off for on, off in pairs)
     on = statistics.median(p[0] for p in pairs)
     off = statistics.median(p[1] for p in pairs)
-    snap = statistics.median(taken[1:] or taken)  # not the first (buffers allocated)
+    snap = statistics.median(taken)
     amortised = 1 + snap / (50 * off)
+    setup = f"{device}{f', fsdp2 x{sharded_ranks(device)}' if sharded else ''}"
     return [
-        f"| {device} | {steps} | {1000 * off:.1f} ms | {1000 * on:.1f} ms | {ratio:.3f} | "
+        f"| {setup} | {steps} | {1000 * off:.1f} ms | {1000 * on:.1f} ms | {ratio:.3f} | "
         f"{1000 * snap:.1f} ms | {amortised:.4f} |"
     ]
 
@@ -260,15 +306,24 @@ def main() -> None:
     parser.add_argument("--only", choices=("lost", "cost", "skip", "quiet", "nan"))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--sharded", action="store_true", help="cost: FSDP2 on 2 ranks")
+    parser.add_argument("--pairs", type=int, default=3, help="cost: on/off pairs")
     parser.add_argument("--demo", action="store_true", help="quiet: configs/demo.yaml's model")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work, cache = Path(tmp), Path(tmp) / "cache"
         if args.only in (None, "lost"):
             print("| setting | restored | steps lost |", *lost_work(work / "lost", cache), sep="\n")
         if args.only in (None, "cost"):
             print("| device | steps | off | on | ratio | one snapshot | amortised |")
-            print(*snapshot_cost(work / "cost", cache, args.device, args.steps), sep="\n")
+            cost = snapshot_cost(
+                work / "cost", cache, args.device, args.steps, args.sharded, args.pairs
+            )
+            print(*cost, sep="\n")
         if args.only in (None, "skip"):
             print("| run | val loss | vs fault-free | spikes skipped | rollbacks | critical |")
             print(*skip_spike(work / "skip", cache), sep="\n")

@@ -105,6 +105,11 @@ def test_resolved_config_round_trips() -> None:
         ("snapshot:\n  budget: 150%\n", [], "snapshot.budget: a percentage must be in"),
         ("snapshot:\n  every: -5\n", [], "snapshot.every: must be >= 1"),
         ("checkpoint:\n  every_seconds: -1\n", [], "checkpoint.every_seconds: must be > 0"),
+        ("optim:\n  name: lion\n", [], "optim.name: must be one of 'adamw' or 'spam'"),
+        ("optim:\n  reset_every: -500\n", [], "optim.reset_every: must be >= 1"),
+        ("optim:\n  threshold: 0\n", [], "optim.threshold: must be > 0"),
+        ("{}\n", ["--set", "optim.threshold=-5"], "optim.threshold: must be > 0"),
+        ("optim:\n  clip_after: 500\n", [], "optim.clip_after: must be < reset_every (500)"),
         (None, [], "no such config file"),
     ],
 )

@@ -33,7 +33,7 @@ groups:
   - name: live
     rules:
       - alert: LossNonFinite
-        expr: increase(lossguard_nonfinite_total{signal="loss", rank="0"}[6s]) > 0
+        expr: increase(lossguard_nonfinite_total{signal="loss", rank="0"}[15s]) > 0
         labels: {severity: critical}  # no action: this test is about notifying
         annotations:
           summary: "Non-finite loss in run {{ $labels.run_id }} (rank {{ $labels.rank }})"

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from lossguard.agent.config import ModelConfig, TrainConfig
+from lossguard.agent.config import ModelConfig, OptimConfig, TrainConfig
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.optim import WarmupSchedule, build_optimizer, build_scheduler
 from lossguard.agent.train.trainer import EarlyStopping
@@ -15,7 +15,7 @@ from lossguard.agent.train.trainer import EarlyStopping
 
 def test_no_weight_decay_on_norms_biases_and_embeddings() -> None:
     model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=8), vocab_size=64)
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), OptimConfig())
     assert opt.defaults["fused"] is True
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0

@@ -1,6 +1,7 @@
 """Sharded runs under real ``torchrun --nproc_per_node 2`` (gloo, CPU): FSDP2 and HSDP train,
 write ``dcp`` checkpoints, resume bit for bit after a rank is SIGKILLed, reshard 2 -> 1, and
-never show a torn save. Bad combinations are one line and exit 2."""
+never show a torn save; rollbacks restore every rank's shards from disk or from memory alike.
+Bad combinations are one line and exit 2."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from tests.conftest import (
     write_config,
     write_monitor_config,
 )
-from tests.test_actions_live import shipped_rule
+from tests.test_actions_live import actions_in, shipped_rule
 
 STEPS = 12
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -152,9 +153,10 @@ def test_fsdp2_trains_and_writes_dcp_checkpoints_that_readers_list_unchanged(
 def test_a_killed_rank_resumes_to_the_same_losses_and_weights(
     tmp_path: Path, corpus_cache: Path, reference: Path, distributed: dict[str, Any]
 ) -> None:
-    config = write_config(
-        tmp_path / "c.yaml", sharded_settings(tmp_path / "runs", corpus_cache, **distributed)
-    )
+    settings = sharded_settings(tmp_path / "runs", corpus_cache, **distributed)
+    if distributed:  # and without snapshots: they do not change a run's losses either
+        settings["snapshot"] = {"every": None}
+    config = write_config(tmp_path / "c.yaml", settings)
     run_dir = tmp_path / "runs/tiny"
     kill_a_rank(torchrun(2, config), run_dir, at_step=random.randint(5, STEPS - 1))
     stderr = finished(torchrun(2, config, "--resume", "latest"))
@@ -183,6 +185,30 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_trains_on(
     assert meta.extra["world_size"] == 1 and set(meta.files) >= {"__0_0.distcp", "rank_0.pt"}
     losses = step_records(runs / "tiny")
     assert all(math.isfinite(losses[s]) for s in range(STEPS + 1, STEPS + 5))
+
+
+def test_spam_trains_sharded_and_its_state_is_in_the_dcp_checkpoint(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    """SPAM under FSDP2 updates each rank's shards in place; its moments and step count are in
+    the dcp checkpoint (which resumes as the other tests here show for AdamW's)."""
+    runs = tmp_path / "runs"
+    settings = sharded_settings(runs, corpus_cache)
+    settings["train"]["max_steps"] = 8
+    spam = {"name": "spam", "reset_every": 3, "reset_warmup": 1, "clip_after": 1, "threshold": 4}
+    settings["optim"] = spam
+    finished(torchrun(2, write_config(tmp_path / "c.yaml", settings)))
+    losses = step_records(runs / "tiny")
+    assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1] - 0.3  # it learns
+    full = full_state(runs / "tiny/checkpoints/step_00000004", tmp_path)
+    state, weights = full["optimizer"]["state"], full["model"]
+    assert state.keys() == weights.keys() - {"lm_head.weight"}  # every parameter (tied: wte)
+    for name, values in state.items():
+        assert set(values) == {"exp_avg", "exp_avg_sq", "step"} and values["step"] == 4
+        assert values["exp_avg"].shape == weights[name].shape  # whole, from both ranks' shards
+        assert values["exp_avg_sq"].abs().sum() > 0
+    last = [r for r in json_lines(runs / "tiny/metrics.jsonl") if r["kind"] == "train"][-1]
+    assert last["optimizer_momentum_resets"] == 2 and last["optimizer_clipped_entries"] > 0
 
 
 def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, corpus_cache: Path) -> None:
@@ -260,9 +286,45 @@ def test_a_save_torn_by_a_kill_never_becomes_visible_and_the_previous_one_is_use
     assert read_meta(checkpoints / f"step_{STEPS:08d}").format == "dcp"
 
 
-def test_a_nan_on_an_fsdp2_run_is_rolled_back_by_the_shipped_monitor_on_every_rank(
+def test_rollbacks_from_memory_and_from_disk_replay_the_same_losses_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """tests/sharded_rollbacks.py: an FSDP2 Guard loop rolled back to step 10 from its
+    snapshots, then from its dcp checkpoint; then rank 1 (a host with less memory) runs out of
+    snapshot budget."""
+    launch = subprocess.run(
+        [*TORCHRUN, "--nproc_per_node=2", "-m", "tests.sharded_rollbacks", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=180,
+        check=False,
+    )
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["first"] != ranks[1]["first"]  # each rank its own batches and dropout
+    for result in ranks:
+        memory, disk = result["from_memory"], result["from_disk"]
+        assert (memory["checkpoint"], disk["checkpoint"]) == (
+            "memory/step_00000010",
+            "step_00000010",
+        )
+        assert result["after_memory"] == result["first"][10:] == result["after_disk"]
+        for answer in (memory, disk):
+            assert [(r["rank"], r["step"]) for r in answer["ranks"]] == [(0, 10), (1, 10)]
+            assert answer["ranks"][0]["weights"] == answer["ranks"][1]["weights"]
+        assert result["snapshots_after_budget"] == {"enabled": False, "metric": 0, "kept": []}
+    off = [e for e in events(tmp_path / "run") if e["event"] == "snapshots_off"]
+    assert len(off) == 1 and off[0]["reason"].startswith("rank 1: 3 snapshots of ")
+    assert launch.stderr.count("in-memory snapshots are off: rank 1:") == 1
+
+
+def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
+    """Snapshots every 4 steps: the monitor's rollback restores the snapshot of step 8 on
+    every rank (beside the dcp checkpoint of the same step), and training goes on."""
     runs = tmp_path / "runs"
     run_dir = runs / "tiny"
     config, _ = write_monitor_config(
@@ -274,6 +336,7 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_by_the_shipped_monitor_on_every_ra
     monitor = start_monitor(config)
     settings = sharded_settings(runs, corpus_cache)
     settings["train"].update(max_steps=10**6, log_every=2)
+    settings["snapshot"] = {"every": 4}
     settings["faults"] = [
         {"kind": "nonfinite_loss", "step": 10, "once": True},
         {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.1},
@@ -285,10 +348,22 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_by_the_shipped_monitor_on_every_ra
             150,
             "the monitor's rollback",
         )
+        wait_for(lambda: past(run_dir, rollback["from_step"] + 2), 60, "training on")
+        listed = run_cli(
+            "--run-dir", str(run_dir), "--json", "checkpoints", module="lossguard.agent.control.ctl"
+        )
     finally:
         assert stop_process(monitor) == 0
         stop_process(agent)
-    assert rollback["checkpoint"] == "step_00000008" and rollback["from_step"] >= 10
+    assert rollback["checkpoint"] == "memory/step_00000008" and rollback["from_step"] >= 10
     ranks = rollback["ranks"]
     assert [(r["rank"], r["step"]) for r in ranks] == [(0, 8), (1, 8)]
     assert ranks[0]["weights"] == ranks[1]["weights"]
+    action = next(a for a in actions_in(tmp_path / "state.db") if a["kind"] == "rollback")
+    assert action["result"]["checkpoint"] == "memory/step_00000008"
+    assert listed.returncode == 0, listed.stderr
+    states = {c["name"]: c["in_memory"] for c in json.loads(listed.stdout)["checkpoints"]}
+    assert {name.startswith("memory/") for name in states} == {True, False}
+    assert all(in_memory == name.startswith("memory/") for name, in_memory in states.items())
+    replayed = [loss for step, loss in step_records(run_dir).items() if step > 8]
+    assert replayed and all(math.isfinite(loss) for loss in replayed)

@@ -1,6 +1,6 @@
 """Rung 1 of the ladder (``mitigation.skip_spikes``): a spike's update is skipped on the device,
-leaving the optimizer exactly as if the batch had never been seen; a run of spikes ends it; the
-signals judged are the configured ones (the loss by default)."""
+leaving the optimizer (fused AdamW or SPAM) exactly as if the batch had never been seen; a run
+of spikes ends it; the signals judged are the configured ones (the loss by default)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from lossguard.agent import Guard
 from lossguard.agent.config import parse_config
 from lossguard.agent.mitigation import SpikeSkipper
 from lossguard.agent.telemetry.spikes import SpikeDetector
+from lossguard.agent.train.spam import SPAM
 
 from .conftest import count_host_reads
 
@@ -26,11 +27,16 @@ def batches(count: int, corrupt: set[int]) -> list[torch.Tensor]:
     return [x * 1000 if i in corrupt else x for i, x in enumerate(out)]
 
 
-def train(run_dir: Path, data: list[torch.Tensor], **mitigation: object) -> tuple[Guard, nn.Module]:
-    """A fused AdamW on a linear regression over ``data``, one batch per step."""
+def train(
+    run_dir: Path, data: list[torch.Tensor], optimizer: str = "adamw", **mitigation: object
+) -> tuple[Guard, nn.Module]:
+    """A fused AdamW (or SPAM) on a linear regression over ``data``, one batch per step."""
     torch.manual_seed(0)
     model = nn.Linear(8, 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if optimizer == "spam":
+        opt: torch.optim.Optimizer = SPAM(model.parameters(), lr=1e-2, reset_every=50)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     cfg = parse_config(
         {
             "telemetry": {"host": "127.0.0.1", "port": 0},
@@ -58,11 +64,14 @@ def skipped(run_dir: Path) -> tuple[int, int]:
     return last["skipped_steps"], last["skipped_spikes"]
 
 
-def test_a_skipped_spike_leaves_the_run_as_if_it_never_saw_the_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "spam"])
+def test_a_skipped_spike_leaves_the_run_as_if_it_never_saw_the_batch(
+    tmp_path: Path, optimizer: str
+) -> None:
     clean = batches(100, set())
     spiked = clean[:80] + batches(100, {80})[80:81] + clean[80:]
-    guard, with_spike = train(tmp_path / "a", spiked)
-    _, without = train(tmp_path / "b", clean)
+    guard, with_spike = train(tmp_path / "a", spiked, optimizer)
+    _, without = train(tmp_path / "b", clean, optimizer)
     assert skipped(tmp_path / "a") == (0, 1) and skipped(tmp_path / "b") == (0, 0)
     for mine, theirs in zip(with_spike.parameters(), without.parameters(), strict=True):
         assert torch.equal(mine, theirs)  # the same weights: same step count, same moments

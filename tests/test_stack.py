@@ -236,7 +236,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
             # monitor before the next healthy checkpoint (step 90) ends it
             faults=[
                 {"kind": "nonfinite_loss", "step": NAN_STEP, "once": True},
-                {"kind": "slow_step", "step": 50, "duration": 10**8, "seconds": 0.4},
+                {"kind": "slow_step", "step": 50, "duration": 10**8, "seconds": 0.7},
             ],
         ),
         "fp16": agent_settings(

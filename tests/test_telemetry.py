@@ -18,7 +18,7 @@ from lossguard.agent.config import Config, parse_config
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.trainer import Trainer
-from lossguard.common.catalogue import CATALOGUE, NVML_METRICS, exposed_name
+from lossguard.common.catalogue import CATALOGUE, NVML_METRICS, OPTIMIZER_COUNTERS, exposed_name
 
 from .conftest import run_cli, start_agent, tiny_settings, wait_for, write_config
 
@@ -89,12 +89,18 @@ def test_live_scrape_has_every_catalogue_metric_and_promtool_is_clean(
         trainer.close()
     assert promtool_findings(text) == ""
     found = samples(text)
-    expected = {exposed_name(n) for n in CATALOGUE if n not in NVML_METRICS} - {
-        "lossguard_amp_loss_scale"  # fp16 only: checked below
-    }
+    optimizer = {exposed_name(n) for n in OPTIMIZER_COUNTERS}  # SPAM's: tests/test_spam_training
+    expected = (
+        {exposed_name(n) for n in CATALOGUE if n not in NVML_METRICS}
+        - optimizer
+        - {
+            "lossguard_amp_loss_scale"  # fp16 only: checked below
+        }
+    )
     missing = {n for n in expected if not any(s.startswith(n) for s in found)}
     assert missing == set()
-    assert not any(n in found for n in ("lossguard_gpu_utilization_ratio",))  # no GPU: absent
+    absent = ("lossguard_gpu_utilization_ratio", *optimizer)  # no GPU, AdamW: absent
+    assert not any(n in found for n in absent)
     for series in found.values():
         for labels, _ in series:
             if "run_id" in labels:

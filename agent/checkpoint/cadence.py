@@ -29,7 +29,7 @@ def periodic_save_due(
 
 class Due:
     """What the step boundary just reached takes at the next poll: the periodic checkpoint
-    (``save``) and the snapshot (``snapshot``)."""
+    (``save``) and the snapshot (``snapshot``; one not taken yet stays due)."""
 
     def __init__(self, config: Config, group: Any) -> None:
         self.config = config
@@ -43,7 +43,7 @@ class Due:
             self.config.checkpoint, step, logged, last_saved_at, self.group
         )
         every = self.config.snapshot.every
-        self.snapshot = every is not None and step % every == 0
+        self.snapshot = self.snapshot or (every is not None and step % every == 0)
 
 
 def snapshot_store(cfg: SnapshotConfig) -> SnapshotStore | None:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from lossguard.agent.checkpoint.snapshots import restore_into
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
 from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta
 from lossguard.common.rundir.files import write_synced
@@ -61,6 +62,18 @@ class ShardedState:
         """FQN-keyed state dicts of DTensors (references to the live shards, not copies)."""
         model, optim = get_state_dict(self.model, self.optimizers)
         return {"model": model, "optimizer": optim}
+
+    def before_first_step(self) -> bool:
+        """Whether the optimizer has no state yet: ``state_dict`` would make it by taking a
+        step with zero gradients and learning rate (changing a stateful optimizer's step count)."""
+        return any(not optimizer.state for optimizer in self.optimizers)
+
+    def load_copy(self, saved: dict[str, Any]) -> None:
+        """Load an in-memory snapshot's copy of ``state_dict`` (``saved`` holds this rank's
+        local shards, at ``"model"`` and ``"optimizer"``): into the live shards, as a DCP load
+        fills them, then applied as a loaded checkpoint is."""
+        copied = {name: saved[name] for name in SHARDED_STATE}
+        self.load_state_dict(restore_into(self.state_dict(), copied))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(

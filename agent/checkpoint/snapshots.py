@@ -1,9 +1,11 @@
 """In-memory snapshots: the state a checkpoint holds, copied to host memory every few steps.
 
-A snapshot is the payload that ``Recovery.payload`` gathers (every registered state dict, the
-RNG states, the health of all ranks), whatever checkpoint format would write it: each rank keeps
-its own, so sharded state stays sharded. Its meta is a ``CheckpointMeta`` named
-``memory/step_XXXXXXXX`` with ``in_memory`` set in ``extra`` and no files.
+A snapshot is the payload a checkpoint holds: ``Recovery.payload`` (every registered state
+dict, the RNG states of all ranks), or under sharding ``Recovery.rank_payload`` with the model's
+and optimizer's FQN-keyed state dicts: each rank keeps its own, and of a DTensor only its local
+shard (``restore_into`` copies it back into the live one). Its meta is a ``CheckpointMeta``
+named ``memory/step_XXXXXXXX`` with ``in_memory`` set in ``extra`` and no files; the ranks
+agree on which exist (``Recovery.take_snapshot``).
 
 Copies: CPU tensors are cloned. CUDA tensors go into pinned host buffers, reused from evicted
 snapshots when shapes and dtypes match, on a side stream that first waits for the training
@@ -12,7 +14,8 @@ previous copy) and before a restore. The training stream waits on the device for
 before the next update changes the state (``before_update``).
 
 Retention: the newest ``keep`` and the newest healthy one. A host memory budget bounds them:
-a state whose ``keep + 1`` copies do not fit turns snapshots off for the rest of the process.
+a state whose ``keep + 1`` copies do not fit (``refusal``) turns snapshots off for the rest of
+the process (``turn_off``, on every rank).
 Snapshots die with the process; disk checkpoints are the crash path.
 """
 
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import builtins
 import copy
-import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -28,12 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lossguard.common.rundir.checkpoints import CheckpointMeta, checkpoint_name, meta_fields
 from lossguard.common.rundir.targets import IN_MEMORY, MEMORY_PREFIX
 from lossguard.common.sizes import format_bytes
-
-log = logging.getLogger("lossguard.agent.checkpoint")
 
 _IMMUTABLE = (int, float, str, bool, bytes, type(None))
 
@@ -43,10 +44,15 @@ def snapshot_name(step: int) -> str:
     return MEMORY_PREFIX + checkpoint_name(step)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What a snapshot copies of ``tensor``: a DTensor's local shard, else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a payload, in a fixed walk order."""
+    """The tensors in a payload, in a fixed walk order; of a DTensor, its local shard."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        yield _local(obj)
     elif isinstance(obj, dict):
         for value in obj.values():
             yield from _tensors(value)
@@ -73,8 +79,45 @@ def _rebuild(obj: Any, tensors: Iterator[torch.Tensor]) -> Any:
 
 
 def payload_bytes(payload: dict[str, Any]) -> int:
-    """Host bytes one snapshot of ``payload`` takes (its tensors)."""
+    """Host bytes one snapshot of ``payload`` takes (its tensors; of DTensors, the shards)."""
     return sum(t.numel() * t.element_size() for t in _tensors(payload))
+
+
+def restore_into(live: Any, saved: Any) -> Any:
+    """``saved`` (a snapshot's state dicts) with each tensor's values copied into the tensor at
+    the same place in ``live`` (fresh state dicts of the model and optimizer: the live
+    tensors, DTensors into their local shards), which takes its place. Every place is checked
+    (present in ``live``, same local shape and dtype) before anything is copied: a mismatch
+    raises ValueError and changes nothing. Other values are ``saved``'s."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def match(current: Any, value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            local = _local(current) if isinstance(current, torch.Tensor) else None
+            if local is None or _kind(local) != _kind(value):
+                raise ValueError(f"{where}: the live state has no tensor like the snapshot's")
+            pairs.append((local, value))
+            return current
+        if isinstance(value, dict):
+            if not isinstance(current, dict) or current.keys() != value.keys():
+                raise ValueError(f"{where}: the live state's keys differ from the snapshot's")
+            out = copy.copy(value)
+            for key, item in value.items():
+                out[key] = match(current[key], item, f"{where}/{key}")
+            return out
+        if isinstance(value, (list, tuple)):
+            if not isinstance(current, (list, tuple)) or len(current) != len(value):
+                raise ValueError(f"{where}: the live state's items differ from the snapshot's")
+            pairs_in = enumerate(zip(current, value, strict=True))
+            items = [match(c, v, f"{where}/{i}") for i, (c, v) in pairs_in]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return copy.deepcopy(value)
+
+    rebuilt = match(live, saved, "state")
+    with torch.no_grad():
+        for target, value in pairs:
+            target.copy_(value)
+    return rebuilt
 
 
 def _kind(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -127,23 +170,9 @@ class SnapshotStore:
         healthy: bool,
         train_loss: float | None,
         val_loss: float | None,
-    ) -> CheckpointMeta | None:
-        """Copy ``payload`` (``Recovery.payload``) as the snapshot of ``step``, replacing one of
-        the same step; None when snapshots are (or just turned) off for the budget."""
-        if not self.enabled:
-            return None
-        size = payload_bytes(payload)
-        needed = (self.keep + 1) * size
-        if needed > self.budget_bytes:
-            self.enabled = False
-            self.off_reason = (
-                f"{self.keep + 1} snapshots of {format_bytes(size)} need {format_bytes(needed)}, "
-                f"over the budget of {format_bytes(self.budget_bytes)} (snapshot.budget, "
-                "snapshot.keep)"
-            )
-            self.clear()
-            log.warning("in-memory snapshots are off: %s", self.off_reason)
-            return None
+    ) -> CheckpointMeta:
+        """Copy ``payload`` as the snapshot of ``step``, replacing one of the same step (the
+        caller checked ``enabled`` and ``refusal``)."""
         fields = meta_fields(step, tokens, healthy, "snapshot", train_loss, val_loss, None)
         self._seq += 1
         meta = CheckpointMeta(
@@ -160,6 +189,24 @@ class SnapshotStore:
             snapshot = self._copy(meta, payload)
             self._snapshots.append(snapshot)
         return meta
+
+    def refusal(self, payload: dict[str, Any]) -> str | None:
+        """Why ``keep + 1`` snapshots of ``payload`` do not fit the budget; None: they do."""
+        size = payload_bytes(payload)
+        needed = (self.keep + 1) * size
+        if needed <= self.budget_bytes:
+            return None
+        return (
+            f"{self.keep + 1} snapshots of {format_bytes(size)} need {format_bytes(needed)}, "
+            f"over the budget of {format_bytes(self.budget_bytes)} (snapshot.budget, "
+            "snapshot.keep)"
+        )
+
+    def turn_off(self, reason: str) -> None:
+        """No more snapshots in this process, and none kept."""
+        self.enabled = False
+        self.off_reason = reason
+        self.clear()
 
     def before_update(self) -> None:
         """The training stream waits (on the device) for copies in flight: call before the

@@ -207,10 +207,15 @@ class CheckpointStore:
         assert state is not None  # no snapshots were offered
         return meta, state
 
-    def load_verified(self, target: str | int, before_step: int | None = None) -> CheckpointMeta:
-        """``load`` without reading the state: the first candidate whose files verify (a
-        ``dcp`` checkpoint, which every rank reads its part of)."""
-        meta, _ = self._first_usable(target, before_step, self._verify)
+    def load_verified(
+        self,
+        target: str | int,
+        before_step: int | None = None,
+        snapshots: Sequence[CheckpointMeta] = (),
+    ) -> CheckpointMeta:
+        """``load_or_snapshot`` without reading the state: the first candidate that is in
+        memory or whose files verify (a ``dcp`` checkpoint, which every rank reads its part of)."""
+        meta, _ = self._first_usable(target, before_step, self._verify, snapshots)
         return meta
 
     def load_or_snapshot(

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from lossguard.agent.integrations.adapter import GuardedCallback, framework_wandb_conflict
+from lossguard.agent.integrations.sharding import refuse_unguardable
 from lossguard.common.rundir.events import FRAMEWORK_CHECKPOINT
 
 FRAMEWORK = "transformers.Trainer"
@@ -49,12 +50,13 @@ class LossguardCallback(GuardedCallback, TrainerCallback):
     ) -> None:
         model: nn.Module = kwargs["model"]
         optimizer = kwargs["optimizer"]
-        if args.deepspeed or args.fsdp:
+        if args.deepspeed:
             raise ValueError(
-                "LossguardCallback: DeepSpeed and FSDP (accelerate's FSDP2 too) shard the "
-                "gradients; the callback supports one process and DDP (sharded runs: Guard in "
-                "your own loop or lossguard-agent run, docs/sharded.md)"
+                "LossguardCallback: DeepSpeed keeps the gradients and optimizer state in its own "
+                "engine, out of the callback's reach; use accelerate's FSDP2 "
+                "(fsdp_config={'version': 2}), DDP or one process"
             )
+        refuse_unguardable(FRAMEWORK, model, "fsdp_config={'version': 2}")
         if "wandb" in (args.report_to or []):
             framework_wandb_conflict(FRAMEWORK, self.config)
         self._max_grad_norm = args.max_grad_norm

@@ -16,7 +16,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    SingleDeviceXLAStrategy,
+    Strategy,
+    XLAStrategy,
+)
 
 from lossguard.agent.config import Config
 from lossguard.agent.integrations.adapter import (
@@ -24,9 +33,35 @@ from lossguard.agent.integrations.adapter import (
     batch_inputs,
     framework_wandb_conflict,
 )
+from lossguard.agent.integrations.sharding import refuse_unguardable
 from lossguard.common.rundir.events import FRAMEWORK_CHECKPOINT
 
 FRAMEWORK = "Lightning"
+
+
+SUPPORTED = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+XLA = (XLAStrategy, SingleDeviceXLAStrategy)  # subclasses of supported ones, not supported
+
+
+def strategy_refusal(strategy: Strategy) -> str | None:
+    """Why the callback cannot guard a run under ``strategy`` (None: it can)."""
+    if isinstance(strategy, FSDPStrategy):
+        return (
+            "FSDPStrategy wraps the model in FSDP1 (FullyShardedDataParallel), whose flattened "
+            "shards the callback can neither measure nor checkpoint; use ModelParallelStrategy "
+            "with fully_shard (FSDP2) in configure_model"
+        )
+    if isinstance(strategy, DeepSpeedStrategy):
+        return (
+            "DeepSpeedStrategy keeps the gradients and optimizer state in its own engine, out of "
+            "the callback's reach; use ModelParallelStrategy with fully_shard (FSDP2) or DDP"
+        )
+    if isinstance(strategy, XLA) or not isinstance(strategy, SUPPORTED):
+        return (
+            f"strategy {type(strategy).__name__} is not supported; the callback supports one "
+            "device, DDP and ModelParallelStrategy (FSDP2)"
+        )
+    return None
 
 
 class LossguardCallback(GuardedCallback, pl.Callback):
@@ -57,12 +92,10 @@ class LossguardCallback(GuardedCallback, pl.Callback):
         self._batch_inputs: torch.Tensor | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not isinstance(trainer.strategy, SingleDeviceStrategy | DDPStrategy):
-            raise ValueError(
-                f"LossguardCallback: strategy {type(trainer.strategy).__name__} is not "
-                "supported; the callback supports one device and DDP (sharded runs: Guard in "
-                "your own loop or lossguard-agent run, docs/sharded.md)"
-            )
+        refusal = strategy_refusal(trainer.strategy)
+        if refusal is not None:
+            raise ValueError(f"LossguardCallback: {refusal}")
+        refuse_unguardable(FRAMEWORK, pl_module, "fully_shard in configure_model")
         if len(trainer.optimizers) != 1:
             raise ValueError(
                 f"LossguardCallback: needs exactly one optimizer, not {len(trainer.optimizers)}"

@@ -29,7 +29,7 @@ from lossguard.agent.telemetry.grad_diagnostics import GradDiagnostics
 from lossguard.agent.telemetry.hardware import Nvml, Peak, memory_stats, resolve_peak
 from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeDetector
 from lossguard.common import __version__
-from lossguard.common.catalogue import MEMORY_KINDS, SIGNALS
+from lossguard.common.catalogue import MEMORY_KINDS, OPTIMIZER_COUNTERS, SIGNALS
 from lossguard.common.config import ConfigError
 from lossguard.common.registry import AgentMetrics
 from lossguard.common.rundir.checkpoints import CheckpointMeta
@@ -63,11 +63,12 @@ def _total_key(name: str, **labels: str) -> str:
 def skips_on_device(
     optimizer: torch.optim.Optimizer | None, scaler: torch.amp.GradScaler | None
 ) -> bool:
-    """A fused optimizer skips a step on a device flag (``found_inf``) without a host sync;
-    with a GradScaler, the scaler already skips non-finite steps itself."""
+    """A fused optimizer (and one that says it honours ``found_inf``, as lossguard's SPAM
+    does) skips a step on a device flag (``found_inf``) without a host sync; with a
+    GradScaler, the scaler already skips non-finite steps itself."""
     if optimizer is None or scaler is not None:
         return False
-    if optimizer.defaults.get("fused"):
+    if optimizer.defaults.get("fused") or getattr(optimizer, "honours_found_inf", False):
         return True
     log.warning(
         "the optimizer is not fused: non-finite steps are counted but their updates cannot be "
@@ -235,6 +236,9 @@ class Telemetry:
             record["mfu"] = mfu
         self._export_total("skipped_steps", record["skipped_steps"], reason="nonfinite")
         self._export_total("skipped_steps", record["skipped_spikes"], reason="spike")
+        for name in OPTIMIZER_COUNTERS:
+            if name in record:
+                self._export_total(name, record[name])
         for name in ("train_loss", "grad_norm"):
             if math.isfinite(record[name]):
                 metrics.set(name, record[name])
@@ -244,6 +248,11 @@ class Telemetry:
             metrics.set("amp_loss_scale", record["loss_scale"])
         self._publish_memory(record)
         return by_signal
+
+    def count_optimizer(self) -> None:
+        """The optimizer keeps its own counters (SPAM): their series start at 0."""
+        for name in OPTIMIZER_COUNTERS:
+            self.metrics.child(name)
 
     def publish_eval(self, val_loss: float) -> None:
         if math.isfinite(val_loss):

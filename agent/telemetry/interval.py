@@ -29,6 +29,7 @@ class IntervalTotals:
     steps: int
     local_tokens: int  # this rank's
     elapsed: float
+    optimizer: tuple[float, ...] = ()  # this rank's optimizer counters (``read``'s ``local``)
 
 
 class Interval:
@@ -70,9 +71,10 @@ class Interval:
         """Whether every loss of this interval so far was finite (one host read)."""
         return bool(torch.isfinite(self.loss_sum).item())
 
-    def read(self, stats: torch.Tensor | None) -> IntervalTotals:
+    def read(self, stats: torch.Tensor | None, local: torch.Tensor | None = None) -> IntervalTotals:
         """Reduce over ranks and read everything at once: the interval's one host sync.
-        Collective under torchrun. ``stats``: the detectors' flags (the worst rank wins)."""
+        Collective under torchrun. ``stats``: the detectors' flags (the worst rank wins);
+        ``local``: this rank's optimizer counters, read as they are (not reduced)."""
         summed = torch.stack(
             [
                 self.loss_sum,
@@ -86,6 +88,9 @@ class Interval:
         parts = [all_reduce_sum(summed)]
         if stats is not None:  # flags: the worst rank wins, so every rank agrees
             parts.append(all_reduce_max_tensor(stats))
+        own = 0 if local is None else local.numel()
+        if local is not None:
+            parts.append(local.double())
         values = torch.cat(parts).tolist()
         loss_sum, norm_last, norm_max, tokens, skipped, skipped_spikes = values[:6]
         return IntervalTotals(
@@ -95,10 +100,11 @@ class Interval:
             tokens=tokens,
             skipped=skipped,
             skipped_spikes=skipped_spikes,
-            stats=values[6:],
+            stats=values[6 : len(values) - own],
             steps=self.steps,
             local_tokens=self.tokens,
             elapsed=time.perf_counter() - self.started,
+            optimizer=tuple(values[len(values) - own :]),
         )
 
 

@@ -19,6 +19,7 @@ from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_s
 from lossguard.agent.telemetry.diagnosis import IntervalContext, PrecisionHistory, diagnose
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.lr_watch import LrWatch
+from lossguard.common.catalogue import OPTIMIZER_COUNTERS
 from lossguard.common.rundir.events import NONFINITE
 
 
@@ -60,6 +61,10 @@ class IntervalLog:
         self.group = group  # the control group: every rank's token statistics are gathered
         self.start: tuple[int, int | None] = (0, None)  # (step, data position)
         self.logged_healthy: bool | None = True  # as of the last interval (None: unknown)
+        # an optimizer's own counters (SPAM: momentum resets, clipped entries), on the device
+        self.optimizer_totals: torch.Tensor | None = getattr(optimizer, "metric_totals", None)
+        if telemetry is not None and self.optimizer_totals is not None:
+            telemetry.count_optimizer()
 
     def learning_rate(self) -> float | None:
         if self.optimizer is None:
@@ -77,7 +82,7 @@ class IntervalLog:
         if self.interval.steps == 0:
             return None
         stats = self.telemetry.stats() if self.telemetry is not None else None
-        totals = self.interval.read(stats)  # the one sync
+        totals = self.interval.read(stats, self.optimizer_totals)  # the one sync
         elapsed = totals.elapsed
         record: dict[str, Any] = {
             "kind": "train",
@@ -98,6 +103,8 @@ class IntervalLog:
             record["loss_scale"] = float(self.scaler.get_scale())
         record["skipped_steps"] = int(totals.skipped / self.world_size)
         record["skipped_spikes"] = int(totals.skipped_spikes / self.world_size)
+        for name, total in zip(OPTIMIZER_COUNTERS, totals.optimizer, strict=False):
+            record[name] = int(total)  # this rank's, since the process started
         active = False
         if self.telemetry is not None:
             by_signal = self.telemetry.publish(

@@ -1,4 +1,4 @@
-"""Optimisation: AdamW parameter groups, warmup + decay LR schedules, and weight EMA."""
+"""Optimisation: AdamW or SPAM over parameter groups, warmup + decay LR schedules, weight EMA."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from lossguard.agent.config import TrainConfig
+from lossguard.agent.config import OptimConfig, TrainConfig
+from lossguard.agent.train.spam import SPAM
 
 NO_DECAY_MODULES = (nn.Embedding, nn.LayerNorm, nn.RMSNorm)
 
@@ -33,15 +34,25 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """Fused AdamW (CUDA and CPU): one kernel per step, and it can skip a non-finite step on
-    a device flag (``found_inf``) without a host sync."""
-    return torch.optim.AdamW(
-        parameter_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        fused=True,
-    )
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, optim: OptimConfig
+) -> torch.optim.Optimizer:
+    """``optim.name``: fused AdamW (CUDA and CPU, one kernel per step) or SPAM (foreach
+    kernels). Either skips a step on a device flag (``found_inf``) without a host sync."""
+    groups = parameter_groups(model, cfg.weight_decay)
+    betas = (cfg.beta1, cfg.beta2)
+    if optim.name == "spam":
+        return SPAM(
+            groups,
+            lr=cfg.lr,
+            betas=betas,
+            eps=optim.eps,
+            reset_every=optim.reset_every,
+            warmup=optim.reset_warmup,
+            threshold=optim.threshold,
+            clip_after=optim.clip_after,
+        )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
 
 
 class WarmupSchedule:

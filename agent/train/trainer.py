@@ -160,7 +160,7 @@ class Trainer:
             shard_gpt(self.raw_model, cfg.distributed, cfg.precision.dtype, mesh)
         torch.manual_seed(cfg.run.seed + self.dist.rank)  # dropout differs across ranks
         self.ema = WeightEma(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-        self.optimizer = build_optimizer(self.raw_model, cfg.train)
+        self.optimizer = build_optimizer(self.raw_model, cfg.train, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.scaler = make_grad_scaler(cfg.precision.dtype, self.device)
         model: nn.Module = self.raw_model

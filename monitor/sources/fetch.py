@@ -130,7 +130,8 @@ class _Protocol(asyncio.Protocol):
         self.lost = True
         if self.answer is None or self.waiter is None or self._check(eof=True):
             return
-        if not self.answer.buffer and exc is None:
+        if not self.answer.buffer and (exc is None or isinstance(exc, ConnectionResetError)):
+            # closed, or reset as our request met a close already under way
             self.waiter.set_exception(_Closed())
         elif isinstance(exc, OSError):
             self.waiter.set_exception(exc)
