@@ -71,7 +71,16 @@ class ModelConfig(Section):
     )
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     bias: bool = True
-    compile: bool = Field(default=False, description="Wrap the model in torch.compile.")
+    compile: bool = Field(
+        default=False,
+        description="torch.compile the model (under fsdp2/hsdp: each transformer block, "
+        "before it is sharded).",
+    )
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        default="inductor",
+        description="The torch.compile backend: inductor generates kernels; aot_eager and "
+        "eager only trace (quick to compile, for checks).",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -448,8 +457,6 @@ class Config(Section):
             and "fp16 needs a GradScaler, which lossguard does not run under FSDP2: use bf16",
             "train.ema_decay": self.train.ema_decay is not None
             and "the weight EMA is not kept for sharded models",
-            "model.compile": self.model.compile
-            and "torch.compile is not applied to sharded models (yet)",
             "telemetry.fp8_fidelity.enabled": self.telemetry.fp8_fidelity.enabled
             and "the FP8 fidelity shadow copies the whole model: not under FSDP2",
         }

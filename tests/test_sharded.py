@@ -367,3 +367,30 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor
     assert all(in_memory == name.startswith("memory/") for name, in_memory in states.items())
     replayed = [loss for step, loss in step_records(run_dir).items() if step > 8]
     assert replayed and all(math.isfinite(loss) for loss in replayed)
+
+
+def test_fsdp2_with_each_block_compiled_trains_like_eager(tiny_config) -> None:
+    """model.compile under FSDP2 compiles each block's forward before it is sharded (FP8
+    layers inside); aot_eager traces as inductor does, without generating kernels."""
+    from torch._dynamo.utils import counters
+
+    from tests.test_training import fit, records
+
+    losses = {}
+    for compiled in (False, True):
+        graphs = counters["stats"]["unique_graphs"]
+        cfg = tiny_config(
+            run={"id": f"compiled-{compiled}"},
+            model={"n_layer": 2, "compile": compiled, "compile_backend": "aot_eager"},
+            precision={"dtype": "fp8"},
+            train={"max_steps": 6, "log_every": 2, "eval_every": 6},
+            distributed={"strategy": "fsdp2"},
+        )
+        result, trainer = fit(cfg)
+        assert trainer.model is trainer.raw_model  # not wrapped: the blocks are compiled
+        names = [name for name, _ in trainer.raw_model.named_parameters()]
+        assert "blocks.1.attn.c_attn.weight" in names  # the names of an eager model
+        # one graph for the blocks' forward (shared), none when eager
+        assert (counters["stats"]["unique_graphs"] > graphs) == compiled
+        losses[compiled] = [r["train_loss"] for r in records(result.run_dir, "train")]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)

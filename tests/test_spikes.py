@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossguard.agent.config import SpikeConfig
-from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeDetector
+from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeBank, SpikeDetector
 
 from .conftest import count_host_reads
 
@@ -189,16 +189,21 @@ def test_matches_reference_after_every_step(
     compare(small(mode=mode, zscore=zscore), [decode(base, c) for c in codes])
 
 
-@pytest.mark.parametrize("mode", ["zscore", "ratio"])
-def test_matches_reference_on_continuous_values(mode: str) -> None:
-    rng = random.Random(mode)
+def continuous(seed: str) -> list[float]:
+    """Noise with spikes, non-finite values and a long episode."""
+    rng = random.Random(seed)
     values = []
     for _ in range(600):
         u = rng.random()
         values.append(rng.gauss(2.0, 0.1) * (rng.uniform(3, 30) if u < 0.05 else 1.0))
     values[100:110] = [NAN] * 3 + [INF] * 3 + [-INF] * 4
     values[200:260] = [50.0] * 60  # a long episode
-    compare(small(mode=mode, zscore=3.0), values)
+    return values
+
+
+@pytest.mark.parametrize("mode", ["zscore", "ratio"])
+def test_matches_reference_on_continuous_values(mode: str) -> None:
+    compare(small(mode=mode, zscore=3.0), continuous(mode))
 
 
 def gauss(n: int, mean: float, sigma: float, seed: int = 0) -> list[float]:
@@ -476,3 +481,26 @@ def test_a_state_from_before_the_step_keys_still_loads() -> None:
     assert stats["nonfinite_step"] == -1 and stats["spike_step"] == -1
     restored.set_step(32)
     assert feed(restored, [NAN])[-1]["nonfinite_step"] == 33
+
+
+def test_a_bank_updates_each_signal_as_a_detector_of_its_own() -> None:
+    """One batched update of two signals (the second lenient with non-finite values, as fp16
+    grad norms are) gives each the statistics and state of a detector that saw it alone, and
+    a row restores from a detector's state."""
+    cfg = small(zscore=3.0)
+    bank = SpikeBank(cfg, CPU, [True, False])
+    alone = [SpikeDetector(cfg, CPU), SpikeDetector(cfg, CPU, nonfinite_opens_episode=False)]
+    signals = [continuous("loss"), continuous("grad_norm")[::-1]]
+    for step, values in enumerate(zip(*signals, strict=True)):
+        flags = bank.update(torch.tensor(values, dtype=torch.float64))
+        for row, detector in enumerate(alone):
+            assert bool(flags[row]) == bool(
+                detector.update(torch.tensor(values[row], dtype=torch.float64))
+            )
+            assert key(bank.detectors[row].stats_dict()) == key(detector.stats_dict()), step
+    restored = SpikeBank(cfg, CPU, [True, False])
+    for row, detector in enumerate(alone):
+        restored.detectors[row].load_state_dict(detector.state_dict())
+        assert key(restored.detectors[row].stats_dict()) == key(detector.stats_dict())
+    with pytest.raises(TypeError, match=r"SpikeBank\.update"):
+        bank.detectors[0].update(torch.tensor(1.0))

@@ -11,8 +11,8 @@ makes the hidden temporary folder, every rank writes into it, and once DCP's col
 (``CheckpointStore.commit``). A rank killed mid-save leaves only the hidden folder, which the
 next store removes.
 
-Asynchronous saves: the state is staged to host memory (on GPUs: pinned buffers reused from
-save to save, copied off the device in the background), then written by a thread on its own
+Asynchronous saves: the state is staged into host buffers made at the first save and reused
+(pinned on GPUs), then written by a thread on its own
 gloo group, so the training loop's collectives never interleave with the save's. At most one
 save is in flight; training is blocked only for the staging.
 """
@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lossguard.agent.checkpoint.snapshots import restore_into
@@ -105,11 +106,12 @@ class DcpCheckpoints:
         self.rank = rank
         self.world_size = world_size
         self.group = dist.new_group(backend="gloo")
-        # on GPUs: the state is staged into pinned host buffers kept for the next save (the
-        # writer's own stager: torch 2.11's DefaultStager cannot copy DTensors); elsewhere
-        # async_save copies it to host memory
+        # the state is staged into host buffers made at the first save and reused: on GPUs
+        # pinned, by the writer's own stager (torch 2.11's DefaultStager cannot copy DTensors
+        # there); on CPU by one DefaultStager kept from save to save (it caches its copies)
         cuda = device.type == "cuda"
         self.writer = FileSystemWriter(root, cache_staged_state_dict=True) if cuda else None
+        self.stager = None if cuda else DefaultStager(StagingOptions(False, False, False, False))
         self._upload: Future[Any] | None = None
         self._delay_s = 0.0
         self._publisher: threading.Thread | None = None
@@ -153,8 +155,9 @@ class DcpCheckpoints:
             checkpoint_id=tmp,
             process_group=self.group,
             storage_writer=self.writer,
+            async_stager=self.stager,
         )
-        assert isinstance(upload, Future)  # without an async_stager
+        assert isinstance(upload, Future)  # staged before async_save returns
         self._upload = upload
         if self.store is not None:
             self._publisher = threading.Thread(
@@ -231,5 +234,6 @@ class DcpCheckpoints:
     def close(self) -> None:
         """Wait for the save in flight and release the staging buffers."""
         self.wait()
-        if self.writer is not None:
-            self.writer.close()
+        for stager in (self.writer, self.stager):
+            if stager is not None:
+                stager.close()

@@ -27,7 +27,7 @@ from lossguard.agent.telemetry.fp8_health import TENSORS as FP8_TENSORS
 from lossguard.agent.telemetry.fp8_health import Fp8Health
 from lossguard.agent.telemetry.grad_diagnostics import GradDiagnostics
 from lossguard.agent.telemetry.hardware import Nvml, Peak, memory_stats, resolve_peak
-from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeDetector
+from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeBank
 from lossguard.common import __version__
 from lossguard.common.catalogue import MEMORY_KINDS, OPTIMIZER_COUNTERS, SIGNALS
 from lossguard.common.config import ConfigError
@@ -102,12 +102,10 @@ class Telemetry:
         self.world_size = world_size
         self.flops_per_token = flops_per_token
         # Under a GradScaler, overflowing grad norms are the scaler at work, not divergence.
-        self.detectors = {
-            s: SpikeDetector(
-                cfg.spikes, device, nonfinite_opens_episode=not (loss_scaling and s == "grad_norm")
-            )
-            for s in SIGNALS
-        }
+        self.spikes = SpikeBank(
+            cfg.spikes, device, [not (loss_scaling and s == "grad_norm") for s in SIGNALS]
+        )
+        self.detectors = dict(zip(SIGNALS, self.spikes.detectors, strict=True))
         self.nvml = Nvml(device)
         self.metrics = AgentMetrics(run_id, rank, nvml=self.nvml.available)
         identity = self.nvml.identity()
@@ -147,9 +145,8 @@ class Telemetry:
 
     def on_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """Feed the detectors; returns the device flag "this step saw a non-finite value"."""
-        loss_bad = self.detectors["loss"].update(loss.detach().float())
-        norm_bad = self.detectors["grad_norm"].update(grad_norm)
-        return torch.logical_or(loss_bad, norm_bad)
+        values = torch.stack((loss.detach().float(), grad_norm.reshape(())))  # SIGNALS order
+        return self.spikes.update(values).any()
 
     def exclude(self, seconds: float) -> None:
         """Time that was not training (evaluation, a pause) stays out of the step time."""

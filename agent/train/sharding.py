@@ -1,5 +1,6 @@
 """FSDP2 and HSDP for the built-in trainer: the device mesh, ``fully_shard`` per transformer
-block and at the root, the bf16 mixed-precision policy and activation checkpointing."""
+block and at the root, the bf16 mixed-precision policy, activation checkpointing and
+``torch.compile`` per block."""
 
 from __future__ import annotations
 
@@ -40,14 +41,29 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_gpt(model: GPT, cfg: DistributedConfig, dtype: str, mesh: DeviceMesh) -> None:
-    """Shard ``model`` in place: each block (wrapped for activation checkpointing if asked),
-    then the root (embeddings, final norm, tied head)."""
+def shard_gpt(
+    model: GPT,
+    cfg: DistributedConfig,
+    dtype: str,
+    mesh: DeviceMesh,
+    *,
+    compile_backend: str | None = None,
+) -> None:
+    """Shard ``model`` in place: each block (wrapped for activation checkpointing if asked;
+    its forward compiled with ``compile_backend`` if given), then the root (embeddings, final
+    norm, tied head).
+
+    As torchtitan does, each block's forward is compiled whole (``fullgraph``) before the block
+    is sharded: FSDP2's all-gather and reduce-scatter hooks stay outside the compiled graph, the
+    blocks share one graph, and parameter names do not change (checkpoints and per-layer
+    metrics read the same names as in eager runs)."""
     policy = mixed_precision(dtype)
     for index, block in enumerate(model.blocks):
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block)
             model.blocks[index] = block
+        if compile_backend is not None:
+            block.forward = torch.compile(block.forward, backend=compile_backend, fullgraph=True)
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 

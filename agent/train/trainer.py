@@ -157,15 +157,21 @@ class Trainer:
         self.raw_model.to(self.device)
         if sharded:
             mesh = device_mesh(cfg.distributed, self.dist.world_size, self.device)
-            shard_gpt(self.raw_model, cfg.distributed, cfg.precision.dtype, mesh)
+            shard_gpt(
+                self.raw_model,
+                cfg.distributed,
+                cfg.precision.dtype,
+                mesh,
+                compile_backend=cfg.model.compile_backend if cfg.model.compile else None,
+            )
         torch.manual_seed(cfg.run.seed + self.dist.rank)  # dropout differs across ranks
         self.ema = WeightEma(self.raw_model, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.optimizer = build_optimizer(self.raw_model, cfg.train, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.scaler = make_grad_scaler(cfg.precision.dtype, self.device)
         model: nn.Module = self.raw_model
-        if cfg.model.compile:
-            model = torch.compile(model)  # type: ignore[assignment]
+        if cfg.model.compile and not sharded:  # sharded: per block, above
+            model = torch.compile(model, backend=cfg.model.compile_backend)  # type: ignore[assignment]
         if self.dist.enabled and not sharded:
             ids = [self.dist.local_rank] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
