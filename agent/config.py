@@ -235,8 +235,14 @@ class SnapshotConfig(Section):
 class MitigationConfig(Section):
     skip_spikes: bool = Field(
         default=False,
-        description="Rung 1: skip on the device the update of a step whose loss or grad norm "
-        "is a spike (needs a fused AdamW or SPAM, optim.name).",
+        description="Rung 1: skip on the device the update of a step whose loss (or another "
+        "of signals) is a spike (needs a fused AdamW or SPAM, optim.name).",
+    )
+    signals: list[Literal["loss", "grad_norm"]] = Field(
+        default=["loss"],
+        min_length=1,
+        description="The signals whose spike skips a step: loss, grad_norm. A small-batch "
+        "gradient norm is heavy-tailed (see docs/configuration.md).",
     )
     zscore: float = Field(default=6.0, gt=0.0, description="Spike: > k std above the mean.")
     min_history: int = Field(

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -55,6 +55,7 @@ from lossguard.agent.startup import (
     start_telemetry,
 )
 from lossguard.agent.stop_signals import StopSignals
+from lossguard.agent.telemetry.batch_tokens import BatchTokens
 from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.interval import Interval
 from lossguard.agent.telemetry.log_interval import IntervalLog
@@ -167,6 +168,8 @@ class Guard:
             fp16_unscaled=self.config.precision.dtype == "fp16" and scaler is None,
             event=self.event,
             lr_watch=lr_watch(optimizer, scheduler, lambda: self.step + 1),
+            tokens=BatchTokens(self.device) if self.telemetry is not None else None,
+            group=self._group,
         )
         self._skips = UpdateSkips(
             self.config,
@@ -305,10 +308,19 @@ class Guard:
         self.recovery.register(name, obj)
 
     def after_backward(
-        self, loss: torch.Tensor, *, tokens: int, replay: Replay | None = None
+        self,
+        loss: torch.Tensor,
+        *,
+        tokens: int,
+        replay: Replay | None = None,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Record the step's loss and tokens; compute the gradient norm and clip to
         ``grad_clip`` if given. Returns the pre-clip norm as a device tensor; nothing is synced.
+
+        ``inputs``: the step's input token ids (integer tensors; a sequence for several
+        micro-batches), optional. Their statistics, on the device, let a diagnosis judge the
+        step's batch against the run's data.
 
         ``replay``, for the FP8 fidelity check (``telemetry.fp8_fidelity``): a function that
         runs this step's forward and backward again, on the same batches, through the module
@@ -318,6 +330,8 @@ class Guard:
             self.recovery.snapshots.before_update()
         if self.scaler is not None and self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
+        if inputs is not None and self.log.tokens is not None:
+            self.log.tokens.observe(self.step + 1, inputs)
         if self.telemetry is not None:  # sampled steps only: FP8 health and fidelity, gradients
             for record in self.telemetry.collect_samples(self.step + 1, loss, replay):
                 self._emit(record, display=False)

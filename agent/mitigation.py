@@ -1,5 +1,10 @@
 """Rung 1 of the mitigation ladder (``mitigation.skip_spikes``): skip, on the device, the
-optimizer update of a step whose loss or gradient norm is a spike.
+optimizer update of a step whose loss (by default; ``mitigation.signals``: also or instead the
+gradient norm) is a spike.
+
+The gradient norm is left out by default: on small batches it is heavy-tailed, and a fault-free
+run's natural excursions (4 to 5 times its mean with an ordinary loss) lie as far above its
+window as a corrupt batch's, while the loss tells them apart (docs/benchmarks.md).
 
 A spike here: the value is finite and more than ``zscore`` standard deviations above the mean
 of its detector's rolling window (``telemetry.spikes.window`` values that were in band), once
@@ -35,8 +40,9 @@ class SpikeSkipper:
         """Whether this step's update is to be skipped (a bool device tensor); call after the
         detectors took the step's values. No host sync."""
         spike = torch.zeros((), dtype=torch.bool, device=self._run.device)
-        for detector in detectors.values():
-            spike |= detector.exceeds(self.cfg.zscore, self.cfg.min_history).to(spike.device)
+        for signal in self.cfg.signals:
+            above = detectors[signal].exceeds(self.cfg.zscore, self.cfg.min_history)
+            spike |= above.to(spike.device)
         if self.distributed:
             spike = all_reduce_max_tensor(spike.to(torch.uint8)).bool()
         self._run = (self._run + 1) * spike

@@ -1,7 +1,7 @@
 """In-memory snapshots and the ladder's first rung, measured with real processes.
 
-    python -m tests.bench_snapshots [--only lost|cost|skip|nan] [--device cpu|cuda] [--steps N]
-                                    [--sharded]
+    python -m tests.bench_snapshots [--only lost|cost|skip|quiet|nan] [--device cpu|cuda]
+                                    [--steps N] [--sharded] [--demo]
 
 * lost: a NaN at step 1137 recovered by the monitor (shipped rules, 1 s scrape and
   evaluation): the steps between the restored state and the bad step, with the defaults
@@ -13,6 +13,9 @@
 * skip: a one-step ``corrupt_batch`` spike at step 250, without and with
   ``mitigation.skip_spikes``, watched by the monitor: rollbacks and critical alerts, updates
   skipped as spikes, and the final validation loss against a fault-free run (rung 1 off).
+* quiet: fault-free runs (``--steps``, log every step) with rung 1 on, judging the loss only
+  and the loss and the grad norm: the updates each skipped (none should be); ``--demo`` for
+  ``configs/demo.yaml``'s model instead of the tiny one.
 * nan: ``configs/demo.yaml`` as shipped (log every step, so the time of the first step after
   the rollback is seen), a NaN at step 20, a monitor with ``configs/monitor.yml``'s rules,
   scrape and evaluation: where the rollback restored from, how long after the bad step
@@ -22,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sqlite3
@@ -229,6 +233,34 @@ def skip_spike(work: Path, cache: Path) -> list[str]:
     ]
 
 
+def quiet_skips(work: Path, cache: Path, steps: int, demo: bool) -> list[str]:
+    """Fault-free runs with rung 1 on, judging the loss only (the default) and the loss and
+    the grad norm (OLMo-core's pair): updates skipped, at the steps of log_every 1."""
+    rows = []
+    for signals in (["loss"], ["loss", "grad_norm"]):
+        name = "-".join(signals)
+        runs = work / name
+        if demo:
+            settings = read_config_file(REPO / "configs" / "demo.yaml")
+            settings["run"].update(dir=str(runs), id="tiny")
+            settings["data"]["cache_dir"] = str(cache)
+        else:
+            settings = tiny_settings(runs, cache)
+        settings["train"].update(max_steps=steps, log_every=1, eval_every=100_000)
+        settings.update(
+            telemetry={"host": "127.0.0.1", "port": 0},
+            snapshot={"every": None},
+            mitigation={"skip_spikes": True, "signals": signals},
+        )
+        Trainer(parse_config(settings), progress=False).fit()
+        trains = [r for r in records(runs / "tiny") if r["kind"] == "train"]
+        pairs = itertools.pairwise(trains)
+        at = [b["step"] for a, b in pairs if b["skipped_spikes"] > a["skipped_spikes"]]
+        model = "demo" if demo else "tiny"
+        rows.append(f"| {model} | {steps} | {', '.join(signals)} | {len(at)} | {at} |")
+    return rows
+
+
 def default_nan(work: Path) -> list[str]:
     """configs/demo.yaml, a NaN at step 20, configs/monitor.yml's rules and cadence."""
     runs = work / "runs"
@@ -271,11 +303,12 @@ def resolved_at(db: Path, alertname: str) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("lost", "cost", "skip", "nan"))
+    parser.add_argument("--only", choices=("lost", "cost", "skip", "quiet", "nan"))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sharded", action="store_true", help="cost: FSDP2 on 2 ranks")
     parser.add_argument("--pairs", type=int, default=3, help="cost: on/off pairs")
+    parser.add_argument("--demo", action="store_true", help="quiet: configs/demo.yaml's model")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -294,6 +327,9 @@ def main() -> None:
         if args.only in (None, "skip"):
             print("| run | val loss | vs fault-free | spikes skipped | rollbacks | critical |")
             print(*skip_spike(work / "skip", cache), sep="\n")
+        if args.only in (None, "quiet"):
+            print("| model | steps | signals | skipped | at steps |")
+            print(*quiet_skips(work / "quiet", cache, args.steps, args.demo), sep="\n")
         if args.only in (None, "nan"):
             print("| restored | steps lost | fired | rolled back | training again | resolved |")
             print(*default_nan(work / "nan"), sep="\n")

@@ -178,6 +178,10 @@ def test_a_relative_folder_is_watched_where_it_is(
     assert (here / config["state"]["path"]).parent.parent == tmp_path / "runs" / "demo-x"
 
 
+LR_CAUSE = "learning rate 1000x its schedule from step 100 on (2 instead of 0.002 at 100)"
+"""What the agent's diagnosis says of the lr fault (tests/test_diagnosis_drills.py)."""
+
+
 def _action(**result: Any) -> ActionRecord:
     return ActionRecord(
         id="lg-1",
@@ -203,7 +207,7 @@ def _timeline() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[AlertC
         {
             "time": 1000.9, "step": 105, "event": "spike", "signal": "loss",
             "diagnosis": {"signal": "loss", "step": 101, "value": 30.87, "zscore": 101.1,
-                          "window_mean": 2.43, "causes": []},
+                          "window_mean": 2.43, "causes": [LR_CAUSE]},
         },
         {"time": 1091.5, "step": 1012, "event": "rollback", "from_step": 1012, "to_step": 80},
     ]  # fmt: skip
@@ -245,7 +249,10 @@ def test_the_summary_tells_a_recorded_timeline(tmp_path: Path) -> None:
     )  # fmt: skip
     text = "\n".join(summary_lines(story, places, []))
     assert "  step 100: the learning rate multiplied by 1000 from step 100 on\n" in text
-    assert "At step 101 the loss spiked to 30.87 (101.1 std above its window mean 2.43)" in text
+    assert (
+        "At step 101 the loss spiked to 30.87 (101.1 std above its window mean 2.43); probable "
+        f"cause: {LR_CAUSE}"
+    ) in text
     assert "+0.9 s  step 95     alert LossSpike (warning) firing" in text
     assert "LossSpike (warning) pending" not in text  # it fired at once (for: 0s)
     assert "+31.0 s  step 95     alert LossSpikeNotRecovering (critical) pending" in text

@@ -37,10 +37,11 @@ def context(**changes: Any) -> IntervalContext:
         "lr_before": 1e-3,
         "loss_scale": None,
         "loss_scale_before": None,
+        "loss_scale_low": None,
         "fp16_unscaled": False,
         "grad_norm_max": 1.0,
         "fp8_overflow": None,
-        "fp8_overflow_before": None,
+        "fp8_overflow_high": None,
         "scheduled": True,
         "lr_departure": None,
         "start_step": 100,
@@ -80,6 +81,7 @@ def test_a_nan_with_nothing_else_going_on_points_at_the_data() -> None:
         "loss_scale": None,
         "fp8_overflow_ratio": None,
         "data_position": 504,  # step 101 took position 500
+        "batch_tokens": None,  # the loop did not pass its input ids
         "causes": [
             "nothing stands out (learning rate on schedule, no gradient-norm or precision "
             "change): the non-finite value arose in the forward or backward pass of the batch "
@@ -112,11 +114,25 @@ def test_the_learning_rate_is_judged_against_its_schedule() -> None:
     assert diagnose("loss", nonfinite=False, stats=seen, context=warmup)["causes"][0].startswith(
         "nothing stands out (learning rate on schedule"
     )
-    jumped = context(lr_departure=(100, 1.0, 1e-3))  # x1000 at step 100, back since
+    jumped = context(lr_departure=(100, 100, 1.0, 1e-3))  # x1000 at step 100, back since
     assert diagnose("loss", nonfinite=False, stats=seen, context=jumped)["causes"] == [
         "learning rate 1000x its schedule at step 100 (1 instead of 0.001)"
     ]
-    long_ago = context(lr_departure=(2, 1.0, 1e-3))  # over LR_HORIZON steps before
+    # named by where the departure began, long before the spike: from step 2 on to now (110)
+    ongoing = context(lr_departure=(2, 110, 1.0, 1e-3))
+    assert diagnose("loss", nonfinite=False, stats=seen, context=ongoing)["causes"] == [
+        "learning rate 1000x its schedule from step 2 on (1 instead of 0.001 at 2)"
+    ]
+    ended = context(lr_departure=(2, 50, 1.0, 1e-3))
+    assert diagnose("loss", nonfinite=False, stats=seen, context=ended)["causes"] == [
+        "learning rate 1000x its schedule from step 2 to 50 (1 instead of 0.001 at 2)"
+    ]
+    later = context(lr_departure=(108, 110, 1.0, 1e-3))  # it began after the spike (107)
+    assert (
+        "nothing stands out"
+        in diagnose("loss", nonfinite=False, stats=seen, context=later)["causes"][0]
+    )
+    long_ago = context(lr_departure=(2, 2, 1.0, 1e-3))  # ended over LR_HORIZON steps before
     assert (
         "nothing stands out"
         in diagnose("loss", nonfinite=False, stats=seen, context=long_ago)["causes"][0]
@@ -125,19 +141,29 @@ def test_the_learning_rate_is_judged_against_its_schedule() -> None:
 
 def test_precision_causes() -> None:
     seen = stats(loss={"nonfinite_step": 103.0})
-    fp8 = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_before=0.0)
+    fp8 = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_high=0.0)
     assert diagnose("loss", nonfinite=True, stats=seen, context=fp8)["causes"] == [
         "FP8 overflow in 12% of values (grad_output)"
     ]
-    usual = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_before=0.1)
+    usual = context(fp8_overflow=("grad_output", 0.125), fp8_overflow_high=0.1)
     assert (
         "nothing stands out"
         in diagnose("loss", nonfinite=True, stats=seen, context=usual)["causes"][0]
-    )  # as much overflow as before: the run's own normal
-    fp16 = context(loss_scale=1024.0, loss_scale_before=65536.0)
+    )  # no more overflow than the run has had before (its highest): its own normal
+    fp16 = context(loss_scale=1024.0, loss_scale_before=65536.0)  # the first intervals
     diagnosis = diagnose("loss", nonfinite=True, stats=seen, context=fp16)
     assert diagnosis["loss_scale"] == 1024.0
     assert diagnosis["causes"] == ["fp16 loss scale fell from 65536 to 1024 (gradient overflow)"]
+    routine = context(loss_scale=32768.0, loss_scale_before=65536.0, loss_scale_low=32768.0)
+    assert (
+        "nothing stands out"
+        in diagnose("loss", nonfinite=True, stats=seen, context=routine)["causes"][0]
+    )  # the scaler backing off to where it has been before: its own normal
+    lower = context(loss_scale=8192.0, loss_scale_before=65536.0, loss_scale_low=32768.0)
+    assert diagnose("loss", nonfinite=True, stats=seen, context=lower)["causes"] == [
+        "fp16 loss scale fell from 65536 to 8192 (gradient overflow), below its lowest of the "
+        "run so far (32768)"
+    ]
     unscaled = context(fp16_unscaled=True)
     assert diagnose("loss", nonfinite=True, stats=seen, context=unscaled)["causes"] == [
         "fp16 training without loss scaling (no GradScaler)"

@@ -1,7 +1,7 @@
 """What the diagnosis says about each fault drill, on the built-in trainer: the cause the drill
-planted when there is one to see (a learning rate off its schedule, FP8 overflow), the batch
-behind a gradient burst with nothing else changed (a corrupt batch, scaled activations), and
-"nothing stands out" where a drill leaves no other trace (a NaN loss)."""
+planted when there is one to see (a learning rate off its schedule, a batch of random tokens,
+FP8 overflow), and "nothing stands out" (the data included) where a drill leaves no other trace
+(scaled activations, a NaN loss)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 from lossguard.agent.config import parse_config
 from lossguard.agent.train.trainer import Trainer
 
-from .conftest import tiny_settings
+from .conftest import events, tiny_settings, write_config
+from .test_sharded import finished, torchrun
 
 FAULT_STEP = 60
 QUIET = "learning rate on schedule"
@@ -49,26 +50,47 @@ def diagnoses(
     return detected
 
 
-def test_lr_scale_is_named_against_the_schedule(tmp_path: Path, corpus_cache: Path) -> None:
-    fault = {"kind": "lr_scale", "factor": 1000.0}
-    found = diagnoses(tmp_path, corpus_cache, fault, at=FAULT_STEP + 1)  # the step after its update
-    expected = f"learning rate 1000x its schedule at step {FAULT_STEP} ("
-    assert found[0]["causes"][0].startswith(expected)
-
-
-@pytest.mark.parametrize("kind", ["corrupt_batch", "scale_activations"])
-def test_a_gradient_burst_on_schedule_points_at_the_batch(
-    tmp_path: Path, corpus_cache: Path, kind: str
+@pytest.mark.parametrize(
+    ("duration", "named"), [(1, f"at step {FAULT_STEP} ("), (6, f"from step {FAULT_STEP} on (")]
+)
+def test_lr_scale_is_named_against_the_schedule(
+    tmp_path: Path, corpus_cache: Path, duration: int, named: str
 ) -> None:
-    found = diagnoses(tmp_path, corpus_cache, {"kind": kind, "factor": 100.0})
+    """One step at 1000x, or every step from the fault to the end (the demo's): named from the
+    step where the departure began."""
+    fault = {"kind": "lr_scale", "factor": 1000.0, "duration": duration}
+    found = diagnoses(tmp_path, corpus_cache, fault, at=FAULT_STEP + 1)  # the step after its update
+    assert found[0]["causes"][0].startswith(f"learning rate 1000x its schedule {named}")
+
+
+def test_a_corrupt_batch_is_named_as_unlike_the_run_s_data(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    found = diagnoses(tmp_path, corpus_cache, {"kind": "corrupt_batch"})
+    causes = found[0]["causes"]
+    batch = f"the batch at data position {FAULT_STEP - 1}"
+    assert re.fullmatch(
+        rf"{batch} is unlike the run's data: distinct token ids \d+% of the batch against a "
+        rf"typical \d+%, token entropy [\d.]+ bits against a typical [\d.]+",
+        causes[0],
+    ), causes
+    tokens = found[0]["batch_tokens"]
+    assert tokens["unlike"] and tokens["history"] == FAULT_STEP - 1
+    assert tokens["entropy"] > tokens["typical_entropy"] + 2  # uniform bytes: about 7.6 bits
+
+
+def test_scaled_activations_do_not_blame_the_data(tmp_path: Path, corpus_cache: Path) -> None:
+    found = diagnoses(tmp_path, corpus_cache, {"kind": "scale_activations", "factor": 100.0})
     [cause] = found[0]["causes"]
     batch = f"the batch at data position {FAULT_STEP - 1}"
     assert re.fullmatch(
-        rf"gradient norm \d+x its window mean, with {QUIET} and no precision change: {batch}"
-        rf"|nothing stands out \({QUIET}, no gradient-norm or precision change\): "
-        rf"{batch} is what is left to check",
+        rf"gradient norm \d+x its window mean on {batch}, with {QUIET}, no precision change "
+        rf"and tokens like the run's data"
+        rf"|nothing stands out \({QUIET}, no gradient-norm or precision change, tokens like "
+        rf"the run's data\): {batch} is what is left to check",
         cause,
     ), cause
+    assert found[0]["batch_tokens"]["unlike"] is False
 
 
 def test_a_nan_with_nothing_else_says_nothing_stands_out(
@@ -76,9 +98,9 @@ def test_a_nan_with_nothing_else_says_nothing_stands_out(
 ) -> None:
     found = diagnoses(tmp_path, corpus_cache, {"kind": "nonfinite_loss"})
     assert found[0]["nonfinite"] and found[0]["causes"] == [
-        f"nothing stands out ({QUIET}, no gradient-norm or precision change): the non-finite "
-        f"value arose in the forward or backward pass of the batch at data position "
-        f"{FAULT_STEP - 1}"
+        f"nothing stands out ({QUIET}, no gradient-norm or precision change, tokens like the "
+        f"run's data): the non-finite value arose in the forward or backward pass of the "
+        f"batch at data position {FAULT_STEP - 1}"
     ]
 
 
@@ -90,3 +112,23 @@ def test_an_activation_outlier_under_fp8_shows_as_overflow(
     )
     assert any(cause.startswith("FP8 overflow in ") for cause in found[0]["causes"])
     assert not any("learning rate" in cause for cause in found[0]["causes"])
+
+
+def test_under_torchrun_every_rank_s_share_is_judged(tmp_path: Path, corpus_cache: Path) -> None:
+    """DDP on 2 ranks: the ranks' statistics are gathered at the detection; the corrupt batch
+    (random tokens on both ranks) is named with both shares."""
+    settings = tiny_settings(
+        tmp_path / "runs",
+        corpus_cache,
+        train={"max_steps": 44, "warmup_steps": 10, "log_every": 2, "eval_every": 1000},
+        snapshot={"every": None},
+        faults=[{"step": 40, "kind": "corrupt_batch"}],
+        telemetry={"host": "127.0.0.1", "port": 0, "spikes": {"window": 16, "min_history": 8}},
+    )
+    finished(torchrun(2, write_config(tmp_path / "c.yaml", settings)))
+    found = [e["diagnosis"] for e in events(tmp_path / "runs/tiny") if e["event"] == "spike"]
+    assert found and found[0]["step"] == 40, found
+    assert found[0]["batch_tokens"]["unlike_ranks"] == [0, 1]
+    assert found[0]["causes"][0].startswith(
+        "the batch at data position 39 (the shares of ranks 0, 1) is unlike the run's data: "
+    )

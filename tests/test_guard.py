@@ -134,9 +134,10 @@ def test_host_reads_happen_once_per_log_interval(
     cfg = guard_config(train={"max_steps": 30, "log_every": 10})
     guard = Guard(tmp_path, model=model, optimizer=opt, config=cfg, progress=False)
     x = torch.randn(8, 4)
+    ids = torch.randint(0, 100, (8, 16))  # the step's input ids: their statistics stay put too
     for _ in range(30):
         model(x).pow(2).mean().backward()
-        guard.after_backward(model(x).pow(2).mean(), tokens=8)
+        guard.after_backward(model(x).pow(2).mean(), tokens=8, inputs=ids)
         opt.step()
         opt.zero_grad()
         guard.end_step()

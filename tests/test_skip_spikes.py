@@ -1,6 +1,6 @@
 """Rung 1 of the ladder (``mitigation.skip_spikes``): a spike's update is skipped on the device,
 leaving the optimizer (fused AdamW or SPAM) exactly as if the batch had never been seen; a run
-of spikes ends it."""
+of spikes ends it; the signals judged are the configured ones (the loss by default)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from torch import nn
 
 from lossguard.agent import Guard
 from lossguard.agent.config import parse_config
+from lossguard.agent.mitigation import SpikeSkipper
+from lossguard.agent.telemetry.spikes import SpikeDetector
 from lossguard.agent.train.spam import SPAM
 
 from .conftest import count_host_reads
@@ -100,3 +102,26 @@ def test_the_rung_adds_no_host_read(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     reads = count_host_reads(monkeypatch)
     train(tmp_path / "run", batches(30, set()))
     assert reads.count("tolist") == 3 and set(reads) <= {"tolist"}
+
+
+@pytest.mark.parametrize(("signals", "skips"), [(["loss"], False), (["loss", "grad_norm"], True)])
+def test_a_gradient_norm_excursion_with_an_ordinary_loss_is_skipped_only_if_asked(
+    signals: list[str], skips: bool
+) -> None:
+    """The fault-free tiny GPT's gradient norm jumps to 4-5x its mean now and then, with an
+    ordinary loss: by default (the loss only) that step is applied."""
+    cfg = parse_config({"mitigation": {"skip_spikes": True, "signals": signals}})
+    detectors = {name: SpikeDetector(cfg.telemetry.spikes, "cpu") for name in ("loss", "grad_norm")}
+    skipper = SpikeSkipper(cfg.mitigation, torch.device("cpu"), distributed=False)
+    noise = torch.Generator().manual_seed(3)
+    for _ in range(100):
+        jitter = torch.rand((2,), generator=noise) * 0.1
+        detectors["loss"].update(2.0 + jitter[0])
+        detectors["grad_norm"].update(0.9 + jitter[1])
+        assert not skipper.flag(detectors)
+    detectors["loss"].update(torch.tensor(2.0))
+    detectors["grad_norm"].update(torch.tensor(4.5))
+    assert bool(skipper.flag(detectors)) is skips
+    detectors["loss"].update(torch.tensor(5.5))  # a batch of random tokens: the loss jumps
+    detectors["grad_norm"].update(torch.tensor(0.9))
+    assert skipper.flag(detectors)

@@ -96,14 +96,22 @@ class FrameworkGuard(Guard):
         return due
 
 
-def batch_tokens(batch: Any) -> int:
-    """Tokens in a batch: its ``input_ids`` (a mapping), the tensor itself, or the first
-    element of a tuple or list; 0 when none of these is a tensor. Shape only: no host read."""
+def batch_inputs(batch: Any) -> torch.Tensor | None:
+    """A batch's input tensor: its ``input_ids`` (a mapping), the tensor itself, or the first
+    element of a tuple or list; None when none of these is a tensor."""
     if isinstance(batch, Mapping):
         batch = batch.get("input_ids")
     elif isinstance(batch, Sequence) and not isinstance(batch, str) and batch:
         batch = batch[0]
-    return batch.numel() if isinstance(batch, torch.Tensor) else 0
+    return batch if isinstance(batch, torch.Tensor) else None
+
+
+def token_ids(inputs: Any) -> torch.Tensor | None:
+    """``inputs`` when it is a tensor of integer ids (what the diagnosis's token statistics
+    take), else None."""
+    if not isinstance(inputs, torch.Tensor) or inputs.is_floating_point() or inputs.is_complex():
+        return None
+    return inputs
 
 
 class FrameworkRun:
@@ -116,6 +124,7 @@ class FrameworkRun:
         self._losses = 0
         self._summed = True
         self._tokens = 0
+        self._inputs: list[torch.Tensor] = []  # the step's input ids, if the framework shows them
         self.stepped = False
         """An optimizer step was taken since the last ``step_end``."""
         self._idle = contextlib.ExitStack()
@@ -164,10 +173,21 @@ class FrameworkRun:
             guard.event(CONTINUED, framework=framework)  # at the framework's step
         return cls(guard, tokens_per_step=tokens_per_step)
 
-    def micro_batch(self, loss: torch.Tensor | None, tokens: int, *, summed: bool) -> None:
+    def micro_batch(
+        self,
+        loss: torch.Tensor | None,
+        tokens: int,
+        *,
+        summed: bool,
+        inputs: torch.Tensor | None = None,
+    ) -> None:
         """A micro-batch's forward and backward: its loss (None: the framework gave none) and
         tokens. ``summed``: the step's loss is the sum of its micro-batches' losses (each
-        normalised over the whole step); else their mean."""
+        normalised over the whole step); else their mean. ``inputs``: its input ids, if the
+        framework showed them (for the diagnosis's token statistics)."""
+        ids = token_ids(inputs)
+        if ids is not None:
+            self._inputs.append(ids)
         if loss is not None:
             loss = loss.detach().float()
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
@@ -194,8 +214,8 @@ class FrameworkRun:
                 "lossguard: no input_ids tensor in the batches: tokens/s and MFU read 0; "
                 "pass tokens_per_step to the callback"
             )
-        norm = self.guard.after_backward(loss, tokens=tokens)
-        self._loss_sum, self._losses, self._tokens = None, 0, 0
+        norm = self.guard.after_backward(loss, tokens=tokens, inputs=self._inputs or None)
+        self._loss_sum, self._losses, self._tokens, self._inputs = None, 0, 0, []
         self.stepped = True
         return norm
 

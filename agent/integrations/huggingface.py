@@ -82,7 +82,7 @@ class LossguardCallback(GuardedCallback, TrainerCallback):
         ids = kwargs.get(getattr(module, "main_input_name", "input_ids"))
         tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
         # with num_items_in_batch the model normalises each micro-batch over the whole step
-        self.run.micro_batch(loss, tokens, summed="num_items_in_batch" in kwargs)
+        self.run.micro_batch(loss, tokens, summed="num_items_in_batch" in kwargs, inputs=ids)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

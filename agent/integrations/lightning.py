@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import (
 from lossguard.agent.config import Config
 from lossguard.agent.integrations.adapter import (
     GuardedCallback,
-    batch_tokens,
+    batch_inputs,
     framework_wandb_conflict,
 )
 from lossguard.agent.integrations.sharding import refuse_unguardable
@@ -89,7 +89,7 @@ class LossguardCallback(GuardedCallback, pl.Callback):
         )
         self.val_loss_key = val_loss_key
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self._batch_tokens = 0
+        self._batch_inputs: torch.Tensor | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         refusal = strategy_refusal(trainer.strategy)
@@ -116,13 +116,15 @@ class LossguardCallback(GuardedCallback, pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_tokens = batch_tokens(batch)
+        self._batch_inputs = batch_inputs(batch)
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
         if self.run is not None:  # Lightning divides the loss by accumulate_grad_batches
-            self.run.micro_batch(loss, self._batch_tokens, summed=True)
+            inputs = self._batch_inputs
+            tokens = inputs.numel() if inputs is not None else 0
+            self.run.micro_batch(loss, tokens, summed=True, inputs=inputs)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -11,9 +11,12 @@ from dataclasses import astuple
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
+from lossguard.agent.distributed import all_gather_objects
+from lossguard.agent.telemetry.batch_tokens import BatchTokens
 from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_stats
-from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
+from lossguard.agent.telemetry.diagnosis import IntervalContext, PrecisionHistory, diagnose
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.lr_watch import LrWatch
 from lossguard.common.catalogue import OPTIMIZER_COUNTERS
@@ -38,6 +41,8 @@ class IntervalLog:
         fp16_unscaled: bool,
         event: Callable[..., None],
         lr_watch: LrWatch | None = None,
+        tokens: BatchTokens | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         self.interval = interval
         self.telemetry = telemetry
@@ -50,9 +55,10 @@ class IntervalLog:
         self.detections = DetectionAudit()
         self.episode: dict[str, Any] | None = None
         self.lr_before: float | None = None  # at the end of the last log interval
-        self.loss_scale_before: float | None = None
-        self.fp8_before: float | None = None  # worst FP8 overflow ratio at the last interval
+        self.precision = PrecisionHistory()  # loss scale and FP8 overflow at earlier intervals
         self.lr_watch = lr_watch  # each step's lr against the schedule
+        self.tokens = tokens  # each step's token statistics, read at detections only
+        self.group = group  # the control group: every rank's token statistics are gathered
         self.start: tuple[int, int | None] = (0, None)  # (step, data position)
         self.logged_healthy: bool | None = True  # as of the last interval (None: unknown)
         # an optimizer's own counters (SPAM: momentum resets, clipped entries), on the device
@@ -107,11 +113,11 @@ class IntervalLog:
             self.audit(by_signal, totals, step)
             active = any(s["active"] for s in by_signal.values())
             if self.telemetry.fp8_overflow is not None:
-                self.fp8_before = self.telemetry.fp8_overflow[1]
+                self.precision.fp8_seen(self.telemetry.fp8_overflow[1])
         self.logged_healthy = math.isfinite(record["train_loss"]) and not active
         self.interval.reset()
         self.lr_before = record["lr"]
-        self.loss_scale_before = record.get("loss_scale")
+        self.precision.loss_scale_seen(record.get("loss_scale"))
         self.start = (step, position)
         return record
 
@@ -136,7 +142,7 @@ class IntervalLog:
 
     def _context(self, totals: IntervalTotals, step: int) -> IntervalContext:
         """What a diagnosis needs beside the detector statistics (at detections only: the
-        loss scale is one more host read)."""
+        loss scale and the token statistics are one more host read each)."""
         grad_norm_max = totals.grad_norm_max / self.world_size
         fp8 = self.telemetry.fp8_overflow if self.telemetry is not None else None
         departure = self.lr_watch.departure if self.lr_watch is not None else None
@@ -146,17 +152,26 @@ class IntervalLog:
             lr=self.learning_rate(),
             lr_before=self.lr_before,
             loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
-            loss_scale_before=self.loss_scale_before,
+            loss_scale_before=self.precision.loss_scale_before,
+            loss_scale_low=self.precision.loss_scale_low,
             fp16_unscaled=self.fp16_unscaled,
             grad_norm_max=grad_norm_max if math.isfinite(grad_norm_max) else None,
             fp8_overflow=fp8,
-            fp8_overflow_before=self.fp8_before,
+            fp8_overflow_high=self.precision.fp8_high,
             scheduled=self.lr_watch is not None,
             lr_departure=astuple(departure) if departure is not None else None,
             start_step=start_step,
             start_position=start_position,
             end_position=self.data_position(),
+            batch_tokens=self._batch_tokens(step),
         )
+
+    def _batch_tokens(self, step: int) -> list[dict[int, tuple[float, ...]]] | None:
+        """Every rank's token statistics up to ``step``, by rank (collective: every rank
+        audits the same detections)."""
+        if self.tokens is None:
+            return None
+        return all_gather_objects(self.tokens.read(step), self.group)
 
     def healthy(self, last_train_loss: float | None) -> bool:
         """This rank: false inside a spike episode, or when the current interval or the last
@@ -194,7 +209,8 @@ class IntervalLog:
         """After a restore (and its skipped batches, and a new lr scale): diagnoses compare
         with the state training goes on from."""
         self.lr_before = self.learning_rate()
-        self.loss_scale_before = float(self.scaler.get_scale()) if self.scaler is not None else None
+        scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+        self.precision.loss_scale_before = scale
         self.start = (step, self.data_position())
 
     def restored(self, step: int) -> None:

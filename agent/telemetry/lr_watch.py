@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,9 +19,11 @@ such as a rollback's cut, does not make a run diverge)."""
 
 @dataclass(frozen=True)
 class LrDeparture:
-    """The step whose learning rate was furthest from the schedule's, and the two rates."""
+    """A run of consecutive steps above the schedule: its first step (``step``), its newest
+    (``last``), and the two rates at its first step."""
 
     step: int
+    last: int
     lr: float
     scheduled: float
 
@@ -32,8 +34,9 @@ class LrDeparture:
 
 class LrWatch:
     """Watches ``optimizer``'s steps against ``scheduler.get_last_lr()``; ``departure`` is the
-    newest step above the schedule by ``OFF_SCHEDULE`` times or more (None: none since the last
-    ``reset``). ``step_of``: the number of the step being taken."""
+    newest run of consecutive steps above the schedule by ``OFF_SCHEDULE`` times or more, from
+    where it began (None: none since the last ``reset``). ``step_of``: the number of the step
+    being taken."""
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, scheduler: Any, step_of: Callable[[], int]
@@ -48,8 +51,13 @@ class LrWatch:
         scheduled = float(self.scheduler.get_last_lr()[0])
         if not (math.isfinite(lr) and scheduled > 0 and lr > 0):
             return
-        if lr / scheduled >= OFF_SCHEDULE:
-            self.departure = LrDeparture(self.step_of(), lr, scheduled)
+        if lr / scheduled < OFF_SCHEDULE:
+            return
+        step, departure = self.step_of(), self.departure
+        if departure is not None and departure.last + 1 == step:  # the same departure goes on
+            self.departure = replace(departure, last=step)
+        else:
+            self.departure = LrDeparture(step, step, lr, scheduled)
 
     def reset(self) -> None:
         """After a restore: what the abandoned steps used does not count."""

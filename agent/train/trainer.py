@@ -260,11 +260,13 @@ class Trainer:
         if self.guard.checkpoints is not None:
             self.guard.checkpoints.write_delay_s = self.faults.save_delay()
         batches = self.faults.batches(self.sampler.next_step())
-        step_loss = self._forward_backward(batches, self.model)
+        inputs: list[torch.Tensor] = []
+        step_loss = self._forward_backward(batches, self.model, inputs=inputs)
         self.guard.after_backward(
             step_loss,
             tokens=self.sampler.tokens_per_step,
             replay=lambda shadow: self._forward_backward(batches, shadow, shadow),
+            inputs=inputs,
         )
         with self.faults.optimizer_step():
             if self.scaler is not None:
@@ -281,16 +283,23 @@ class Trainer:
         self.guard.end_step()
 
     def _forward_backward(
-        self, batches: list[Batch], model: nn.Module, unwrapped: nn.Module | None = None
+        self,
+        batches: list[Batch],
+        model: nn.Module,
+        unwrapped: nn.Module | None = None,
+        inputs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of the step's micro-batches through ``model`` (the trained one,
         or the FP8 fidelity check's shadow, ``unwrapped`` being the module the fault hooks go
-        on: by default the trained model); returns the step's loss."""
+        on: by default the trained model); returns the step's loss. ``inputs`` gets each
+        micro-batch's input ids, on the device."""
         accum = self.cfg.train.grad_accum
         step_loss = torch.zeros((), device=self.device)
         with self.faults.forward(unwrapped):
             for micro, batch in enumerate(batches):
                 x, y = self._to_device(batch)
+                if inputs is not None:
+                    inputs.append(x)
                 with self._micro_step_context(model, micro):
                     with autocast(self.cfg.precision.dtype, self.device):
                         _, loss = model(x, y)
