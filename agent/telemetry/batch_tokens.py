@@ -55,8 +55,8 @@ class BatchTokens:
         if tokens.numel() == 0:
             return
         row = self._ring[step % self._ring.shape[0]]
-        row[0] = float(step)
-        row[1:] = token_statistics(tokens)
+        row[0].fill_(float(step))  # a kernel: item assignment would copy from the host
+        row[1:].copy_(token_statistics(tokens))
 
     def read(self, step: int) -> dict[int, tuple[float, ...]]:
         """The statistics of the steps in the ring up to ``step`` (one host read): by step.
