@@ -203,7 +203,7 @@ def test_an_alert_through_prometheus_and_alertmanager_rolls_the_run_back_once(
                     and len(found) >= 3
                     and found
                 ),
-                30,
+                60,  # the one the monitor does not see waits CONFIRM_WITHIN_S first
                 "the forged alerts refused",
             )
             assert any("asks for rollback, not action 'stop'" in r for r in reasons), reasons

@@ -1,7 +1,7 @@
 """Alerts from Alertmanager's webhook act only when the monitor corroborates them: a loaded
 rule of that name asking for that action, a run the monitor knows, and the rule's expression
-showing that run on the monitor's own source. Each refusal is recorded once, with why, and
-nothing is sent."""
+showing that run on the monitor's own source (an alert that view does not show yet waits for
+it, up to CONFIRM_WITHIN_S). Each refusal is recorded once, with why, and nothing is sent."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lossguard.monitor.actions.corroborate import Corroborator
+from lossguard.monitor.actions.corroborate import CONFIRM_WITHIN_S, Corroborator
 from lossguard.monitor.actions.engine import Actions
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.policy import ActionsConfig
@@ -91,11 +91,9 @@ class Pipeline:
         (labels(name="Stalled", action="stop"), "rule Stalled asks for no action, not action"),
         (labels(run="elsewhere"), "run 'elsewhere' is not one the monitor knows"),
         ({**labels(), "run_id": ""}, "the alert has no run_id label"),
-        (labels(run="healthy"), "not confirmed: the monitor's own view shows no LossNonFinite"),
-        ({**labels(), "rank": "1"}, "not confirmed"),
     ],
 )
-def test_an_alert_the_monitor_cannot_confirm_is_refused_once_with_why(
+def test_an_alert_against_the_rules_is_refused_at_once_and_once_with_why(
     tmp_path: Path, alert_labels: dict[str, str], reason: str
 ) -> None:
     pipeline = Pipeline(tmp_path)
@@ -106,6 +104,31 @@ def test_an_alert_the_monitor_cannot_confirm_is_refused_once_with_why(
     (record,) = pipeline.store.recent(10)
     assert record.state == "refused" and record.origin == "alertmanager"
     assert reason in record.reason and record.id.endswith("-refused")
+    assert pipeline.observed == [(alert_labels["action"], "refused")], "recorded once"
+
+
+@pytest.mark.parametrize(
+    ("alert_labels", "reason"),
+    [
+        (labels(run="healthy"), "not confirmed: the monitor's own view shows no LossNonFinite"),
+        ({**labels(), "rank": "1"}, "not confirmed"),
+    ],
+)
+def test_an_alert_the_monitor_never_sees_is_refused_once_after_waiting_for_it(
+    tmp_path: Path, alert_labels: dict[str, str], reason: str
+) -> None:
+    pipeline = Pipeline(tmp_path)
+    assert pipeline.receive(alert_labels) == [], "held: the monitor's scrape may be behind"
+    assert pipeline.actions.step([], T0 + CONFIRM_WITHIN_S - 1) == 0
+    assert pipeline.store.recent(10) == [], "not refused yet"
+    for _ in range(2):  # a repeat while held changes nothing; the one after is held again
+        assert pipeline.actions.step([], T0 + CONFIRM_WITHIN_S) == 0
+        assert pipeline.receive(alert_labels) == []
+    (record,) = pipeline.store.recent(10)
+    assert record.state == "refused" and record.origin == "alertmanager"
+    assert reason in record.reason and record.id.endswith("-refused")
+    assert pipeline.actions.step([], T0 + 3 * CONFIRM_WITHIN_S) == 0
+    assert len(pipeline.store.recent(10)) == 1
     assert pipeline.observed == [(alert_labels["action"], "refused")], "recorded once"
 
 
@@ -131,13 +154,16 @@ def test_a_source_that_cannot_answer_confirms_nothing(tmp_path: Path) -> None:
     def down(expr: str, t: float) -> Value:
         raise SourceError("Prometheus at http://127.0.0.1:1: connection refused")
 
-    (refused,) = Pipeline(tmp_path, down).receive(labels())
+    pipeline = Pipeline(tmp_path, down)
+    assert pipeline.receive(labels()) == []
+    assert pipeline.actions.step([], T0 + CONFIRM_WITHIN_S) == 0
+    (refused,) = pipeline.store.recent(10)
     assert "not confirmed" in refused.reason and "connection refused" in refused.reason
 
 
-def test_an_instance_refused_early_acts_once_the_monitor_sees_it(tmp_path: Path) -> None:
-    """Alertmanager may be quicker than the monitor's own scrape: the refusal does not stop a
-    later notification of the same alert instance that the monitor confirms."""
+def test_an_alert_before_the_monitor_sees_it_acts_once_it_does(tmp_path: Path) -> None:
+    """Alertmanager may be quicker than the monitor's own scrape: the alert waits for the
+    monitor's view and acts when it shows the run, with no refusal."""
     seen: list[bool] = [False]
     data = storage()
 
@@ -145,12 +171,21 @@ def test_an_instance_refused_early_acts_once_the_monitor_sees_it(tmp_path: Path)
         return evaluate(expr, data, t) if seen[0] else []
 
     pipeline = Pipeline(tmp_path, query)
-    assert len(pipeline.receive(labels())) == 1
-    seen[0] = True
     assert pipeline.receive(labels()) == []
-    assert pipeline.actions.step([], T0 + 1) == 1
-    states = sorted(r.state for r in pipeline.store.recent(10))
-    assert states == ["pending", "refused"]
+    assert pipeline.actions.step([], T0 + 1) == 0, "not shown yet: nothing decided"
+    seen[0] = True
+    assert pipeline.actions.step([], T0 + 2) == 1
+    assert pipeline.receive(labels()) == [] and pipeline.actions.step([], T0 + 3) == 0
+    assert [r.state for r in pipeline.store.recent(10)] == ["pending"]
+
+
+def test_an_alert_resolved_while_waiting_is_neither_taken_nor_refused(tmp_path: Path) -> None:
+    pipeline = Pipeline(tmp_path, lambda expr, t: [])
+    assert pipeline.receive(labels()) == []
+    resolved = IncomingAlert("resolved", labels(), {}, T0 - 5, None, "", "")
+    assert pipeline.actions.receive([resolved], T0 + 1) == []
+    assert pipeline.actions.step([], T0 + 2 * CONFIRM_WITHIN_S) == 0
+    assert pipeline.store.recent(10) == []
 
 
 def test_a_made_up_action_label_does_not_grow_the_metric(tmp_path: Path) -> None:

@@ -5,7 +5,12 @@ An incoming alert acts only if its ``alertname`` is a rule the monitor loaded, t
 ``action`` label is the one the alert carries, the alert's run is one the monitor knows, and the
 rule's expression, evaluated now on the monitor's own source (its scrape or its Prometheus),
 returns a series of that run. A forged alert, sent straight to the webhook or through an open
-Alertmanager, fails one of these and is refused with the reason."""
+Alertmanager, fails one of these and is refused with the reason.
+
+Prometheus and Alertmanager may see a value before the monitor's own source does (its next
+scrape or evaluation): an alert that passes the rules but that the monitor's view does not show
+yet is held (:class:`AwaitingConfirmation`), looked at again each evaluation, and refused only
+if the view still does not show it ``CONFIRM_WITHIN_S`` after it came."""
 
 from __future__ import annotations
 
@@ -24,6 +29,10 @@ SCRAPER_LABELS = frozenset({METRIC_NAME, "job", "instance"})
 
 Query = Callable[[str, float], Value]
 
+CONFIRM_WITHIN_S = 15.0
+"""How long an alert the monitor's own view does not show yet waits for it before it is
+refused: several of the monitor's scrape and evaluation intervals (1 s each by default)."""
+
 
 class Corroborator:
     """Judges incoming action alerts against the loaded rules and the monitor's own source."""
@@ -38,8 +47,9 @@ class Corroborator:
         self._known_run = known_run
         self._query = query
 
-    def refusal(self, alert: ActionAlert, now: float) -> str | None:
-        """Why ``alert`` may not act (one line); None: the monitor's view confirms it."""
+    def rule_refusal(self, alert: ActionAlert) -> str | None:
+        """Why ``alert`` may never act, whatever the monitor sees later: no such rule or
+        action, no run or one the monitor does not know (one line); None: it may."""
         action = alert.labels.get(ACTION_LABEL, "")
         named = [rule for rule in self._rules() if rule.name == alert.name]
         if not named:
@@ -52,6 +62,16 @@ class Corroborator:
             return "the alert has no run_id label"
         if not self._known_run(alert.run_id):
             return f"run {alert.run_id!r} is not one the monitor knows"
+        return None
+
+    def unconfirmed(self, alert: ActionAlert, now: float) -> str | None:
+        """Why the monitor's own view does not show ``alert`` now (one line); None: it does."""
+        action = alert.labels.get(ACTION_LABEL, "")
+        rules = [
+            rule
+            for rule in self._rules()
+            if rule.name == alert.name and dict(rule.labels).get(ACTION_LABEL) == action
+        ]
         failures = []
         for rule in rules:
             try:
@@ -78,3 +98,36 @@ def _same_series(labels: Labels, alert: ActionAlert) -> bool:
         for name, value in labels
         if name not in SCRAPER_LABELS
     )
+
+
+class AwaitingConfirmation:
+    """Alerts that passed the rules but that the monitor's own view did not show when they
+    came: each is looked at again (``review``) until the view shows it or it has waited
+    ``CONFIRM_WITHIN_S``. Keyed by request id: a repeat of a held alert changes nothing."""
+
+    def __init__(self, corroborator: Corroborator) -> None:
+        self._corroborator = corroborator
+        self._held: dict[str, tuple[ActionAlert, float]] = {}  # request id -> (alert, until)
+
+    def hold(self, alert: ActionAlert, now: float) -> None:
+        self._held.setdefault(alert.request_id, (alert, now + CONFIRM_WITHIN_S))
+
+    def drop(self, request_id: str) -> None:
+        """Alertmanager resolved it: nothing to confirm any more."""
+        self._held.pop(request_id, None)
+
+    def review(self, now: float) -> tuple[list[ActionAlert], list[tuple[ActionAlert, str]]]:
+        """The held alerts the view shows now (released), and those that waited too long, with
+        why they are refused (released too); the others stay held."""
+        confirmed: list[ActionAlert] = []
+        refused: list[tuple[ActionAlert, str]] = []
+        for request_id, (alert, until) in list(self._held.items()):
+            reason = self._corroborator.unconfirmed(alert, now)
+            if reason is None:
+                confirmed.append(alert)
+            elif now >= until:
+                refused.append((alert, reason))
+            else:
+                continue
+            del self._held[request_id]
+        return confirmed, refused

@@ -14,7 +14,7 @@ from pathlib import Path
 from lossguard.common.config import seconds
 from lossguard.common.printable import escaped
 from lossguard.common.rundir.names import EVENTS_LOG
-from lossguard.monitor.actions.corroborate import Corroborator
+from lossguard.monitor.actions.corroborate import AwaitingConfirmation, Corroborator
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
 from lossguard.monitor.actions.endpoints import Endpoints
@@ -76,6 +76,7 @@ class Actions:
             on_done=on_done,
         )
         self._external: dict[str, tuple[ActionAlert, float]] = {}  # request id -> (alert, until)
+        self._awaiting = AwaitingConfirmation(corroborator)  # under the lock
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -100,8 +101,13 @@ class Actions:
             and "rules" in self.config.triggers
         ]
         with self._lock:
+            confirmed, refused = self._awaiting.review(now)
+            for alert in confirmed:
+                self._external[alert.request_id] = (alert, now + EXTERNAL_TTL_S)
             self._external = {k: v for k, v in self._external.items() if v[1] > now}
             firing += [alert for alert, _ in self._external.values()]
+        for alert, reason in refused:
+            self._record_refusal(alert, reason, now)
         recorded = self.planner.plan(firing, now)
         for record in recorded:
             log.warning(
@@ -113,9 +119,11 @@ class Actions:
 
     def receive(self, alerts: list[IncomingAlert], now: float) -> list[Refusal]:
         """Take alerts from Alertmanager's webhook: the firing ones with an action label that
-        the monitor corroborates (:class:`Corroborator`) join the next decision, the others
-        are recorded as refused, with why, and returned; resolved ones leave (all are ignored
-        unless ``alertmanager`` is one of the configured triggers)."""
+        the monitor corroborates (:class:`Corroborator`) join the next decision; those its
+        own view does not show yet wait for it (``AwaitingConfirmation``: refused later if it
+        never does); the others are recorded as refused, with why, and returned; resolved
+        ones leave (all are ignored unless ``alertmanager`` is one of the configured
+        triggers)."""
         if "alertmanager" not in self.config.triggers:
             return []
         refused: list[Refusal] = []
@@ -133,11 +141,16 @@ class Actions:
             if incoming.status == "resolved":
                 with self._lock:
                     self._external.pop(alert.request_id, None)
+                    self._awaiting.drop(alert.request_id)
                 continue
-            reason = self.corroborator.refusal(alert, now)
+            reason = self.corroborator.rule_refusal(alert)
             if reason is None:
+                shown = self.corroborator.unconfirmed(alert, now) is None
                 with self._lock:
-                    self._external[alert.request_id] = (alert, now + EXTERNAL_TTL_S)
+                    if shown:
+                        self._external[alert.request_id] = (alert, now + EXTERNAL_TTL_S)
+                    else:  # the monitor's own scrape may be behind Prometheus's
+                        self._awaiting.hold(alert, now)
                 continue
             refused.append(Refusal(alert.name, alert.run_id, reason))
             self._record_refusal(alert, reason, now)
