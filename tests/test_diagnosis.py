@@ -201,7 +201,9 @@ NAN_STEP = 13
 
 class NanRun:
     """A training process that hits one NaN loss at step 13 (not on replay), checkpointing
-    every 5 steps and logging every step."""
+    every 5 steps and logging every step; from the NaN on a step takes a second, so that the
+    rollback comes before a healthy checkpoint after it (the update was skipped: the run is
+    healthy again once the episode ends)."""
 
     def __init__(self, tmp_path: Path, cache: Path) -> None:
         settings = tiny_settings(
@@ -209,7 +211,10 @@ class NanRun:
             cache,
             train={"max_steps": 1_000_000, "log_every": 1, "eval_every": 1_000_000},
             checkpoint={"every": 5, "async": False},
-            faults=[{"kind": "nonfinite_loss", "step": NAN_STEP, "duration": 1, "once": True}],
+            faults=[
+                {"kind": "nonfinite_loss", "step": NAN_STEP, "duration": 1, "once": True},
+                {"kind": "slow_step", "step": NAN_STEP, "duration": 10**6, "seconds": 1.0},
+            ],
         )
         self.run_dir = tmp_path / "runs/tiny"
         self.process = start_agent(write_config(tmp_path / "c.yaml", settings))
