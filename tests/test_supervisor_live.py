@@ -34,7 +34,7 @@ from tests.conftest import (
 def test_killed_training_and_supervisor_end_bitwise_identical(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    result = chaos(tmp_path, corpus_cache, steps=200, kills=2, seed=3)
+    result = chaos(tmp_path, corpus_cache, steps=120, kills=2, seed=3)
     assert result["status"] == 0
     assert result["kills"] == 2 and result["restarts"] == 2
     assert result["supervisor_starts"] == 2  # one supervisor was SIGKILLed and replaced
