@@ -49,16 +49,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a payload, in a fixed walk order; of a DTensor, its local shard."""
+def _tensors(obj: Any, *, local: bool = True) -> Iterator[torch.Tensor]:
+    """The tensors in a payload, in a fixed walk order; of a DTensor, its local shard
+    (``local``) or itself."""
     if isinstance(obj, torch.Tensor):
-        yield _local(obj)
+        yield _local(obj) if local else obj
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from _tensors(value)
+            yield from _tensors(value, local=local)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            yield from _tensors(value)
+            yield from _tensors(value, local=local)
 
 
 def _rebuild(obj: Any, tensors: Iterator[torch.Tensor]) -> Any:
@@ -86,38 +87,20 @@ def payload_bytes(payload: dict[str, Any]) -> int:
 def restore_into(live: Any, saved: Any) -> Any:
     """``saved`` (a snapshot's state dicts) with each tensor's values copied into the tensor at
     the same place in ``live`` (fresh state dicts of the model and optimizer: the live
-    tensors, DTensors into their local shards), which takes its place. Every place is checked
-    (present in ``live``, same local shape and dtype) before anything is copied: a mismatch
-    raises ValueError and changes nothing. Other values are ``saved``'s."""
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def match(current: Any, value: Any, where: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            local = _local(current) if isinstance(current, torch.Tensor) else None
-            if local is None or _kind(local) != _kind(value):
-                raise ValueError(f"{where}: the live state has no tensor like the snapshot's")
-            pairs.append((local, value))
-            return current
-        if isinstance(value, dict):
-            if not isinstance(current, dict) or current.keys() != value.keys():
-                raise ValueError(f"{where}: the live state's keys differ from the snapshot's")
-            out = copy.copy(value)
-            for key, item in value.items():
-                out[key] = match(current[key], item, f"{where}/{key}")
-            return out
-        if isinstance(value, (list, tuple)):
-            if not isinstance(current, (list, tuple)) or len(current) != len(value):
-                raise ValueError(f"{where}: the live state's items differ from the snapshot's")
-            pairs_in = enumerate(zip(current, value, strict=True))
-            items = [match(c, v, f"{where}/{i}") for i, (c, v) in pairs_in]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        return copy.deepcopy(value)
-
-    rebuilt = match(live, saved, "state")
+    tensors, DTensors into their local shards), which takes its place. The two must hold
+    tensors of the same local shapes and dtypes in the same walk order, checked before
+    anything is copied: else ValueError, and nothing changes. Other values are ``saved``'s."""
+    targets = list(_tensors(live, local=False))
+    values = list(_tensors(saved))
+    if len(targets) != len(values) or any(
+        _kind(_local(target)) != _kind(value)
+        for target, value in zip(targets, values, strict=False)
+    ):
+        raise ValueError("the live state's tensors differ from the snapshot's")
     with torch.no_grad():
-        for target, value in pairs:
-            target.copy_(value)
-    return rebuilt
+        for target, value in zip(targets, values, strict=True):
+            _local(target).copy_(value)
+    return _rebuild(saved, iter(targets))
 
 
 def _kind(tensor: torch.Tensor) -> tuple[Any, ...]:
