@@ -537,6 +537,26 @@ def test_failed_async_save_reports_and_leaves_nothing(tmp_path: Path) -> None:
     assert on_disk(tmp_path) == ["step_00000001"]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_async_save_writes_at_the_lowest_cpu_priority(tmp_path: Path) -> None:
+    """The writer thread runs at nice 19; the thread that asked for the save keeps its own."""
+    store = CheckpointStore(tmp_path, keep_last=5)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+
+    def on_done(result: CheckpointMeta | BaseException) -> None:
+        assert isinstance(result, CheckpointMeta)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    store.save_async(
+        1, snapshot({"w": torch.ones(3)}), tokens=1, healthy=True, reason="a", on_done=on_done
+    )
+    store.wait()
+    assert seen == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    assert steps(store.list()) == [1]
+
+
 def test_failing_on_done_is_logged_and_the_store_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

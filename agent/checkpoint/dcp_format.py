@@ -12,9 +12,10 @@ makes the hidden temporary folder, every rank writes into it, and once DCP's col
 next store removes.
 
 Asynchronous saves: the state is staged into host buffers made at the first save and reused
-(pinned on GPUs), then written by a thread on its own
-gloo group, so the training loop's collectives never interleave with the save's. At most one
-save is in flight; training is blocked only for the staging.
+(pinned on GPUs), then written by a thread of each rank, at the lowest CPU priority
+(``background``), with ``dcp.save`` on its own gloo group, so the training loop's collectives
+never interleave with the save's; rank 0's thread then publishes. At most one save is in
+flight; training is blocked only for the staging.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import logging
 import shutil
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from lossguard.agent.checkpoint.background import start_writer
 from lossguard.agent.checkpoint.snapshots import restore_into
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
 from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta
@@ -111,24 +112,17 @@ class DcpCheckpoints:
         # there); on CPU by one DefaultStager kept from save to save (it caches its copies)
         cuda = device.type == "cuda"
         self.writer = FileSystemWriter(root, cache_staged_state_dict=True) if cuda else None
-        self.stager = None if cuda else DefaultStager(StagingOptions(False, False, False, False))
-        self._upload: Future[Any] | None = None
+        self.stager: BlockingAsyncStager | DefaultStager = self.writer or DefaultStager(
+            StagingOptions(False, False, False, False)
+        )
         self._delay_s = 0.0
-        self._publisher: threading.Thread | None = None
+        self._background: threading.Thread | None = None
 
     def wait(self) -> None:
         """Block until this rank's part of the save in flight (rank 0: its publication) is done."""
-        if self._publisher is not None:
-            self._publisher.join()
-            self._publisher = None
-        upload, self._upload = self._upload, None
-        if upload is not None:
-            try:
-                upload.result()
-            except Exception as exc:  # rank 0 reports it; a failed save leaves nothing
-                log.warning(
-                    "rank %d: background checkpoint write failed: %r", self.rank, exc, exc_info=exc
-                )
+        if self._background is not None:
+            self._background.join()
+            self._background = None
 
     def save(
         self,
@@ -149,23 +143,13 @@ class DcpCheckpoints:
         if wait:
             self._write_now(tmp, fields, on_done)
             return
-        # staged before it returns (the next step may change the weights), written in the background
-        upload = dcp.async_save(
-            self.sharded.state_dict(),
-            checkpoint_id=tmp,
-            process_group=self.group,
-            storage_writer=self.writer,
-            async_stager=self.stager,
+        # staged now (the next step changes the weights), written in the background
+        staged = self.stager.stage(self.sharded.state_dict())
+        assert isinstance(staged, dict)  # both stagers copy before returning
+        self._background = start_writer(
+            lambda: self._write_now(tmp, fields, on_done, staged),
+            name=f"lossguard-dcp-{fields['step']}",
         )
-        assert isinstance(upload, Future)  # staged before async_save returns
-        self._upload = upload
-        if self.store is not None:
-            self._publisher = threading.Thread(
-                target=self._publish_after,
-                args=(upload, tmp, fields, on_done),
-                name=f"lossguard-dcp-{fields['step']}",
-            )
-            self._publisher.start()
 
     def _temp_folder(self, name: str) -> Path:
         """Rank 0 makes the hidden folder; every rank learns its name."""
@@ -173,24 +157,25 @@ class DcpCheckpoints:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return Path(str(box[0]))
 
-    def _write_now(self, tmp: Path, fields: dict[str, Any], on_done: OnDone | None) -> None:
+    def _write_now(
+        self,
+        tmp: Path,
+        fields: dict[str, Any],
+        on_done: OnDone | None,
+        staged: dict[str, Any] | None = None,
+    ) -> None:
+        """Write this rank's shards (``staged``, else the live state) with the collective
+        ``dcp.save``; rank 0 then publishes (DCP's finish on rank 0 follows every rank's write)."""
         error: Exception | None = None
+        state = staged if staged is not None else self.sharded.state_dict()
         try:
-            dcp.save(self.sharded.state_dict(), checkpoint_id=tmp, process_group=self.group)
+            dcp.save(state, checkpoint_id=tmp, storage_writer=self.writer, process_group=self.group)
         except Exception as exc:  # rank 0 reports it; a failed save must not stop training
             error = exc
+            if self.store is None:
+                log.warning("rank %d: checkpoint write failed: %r", self.rank, exc, exc_info=exc)
         if self.store is not None:
             self._finish(error, tmp, fields, on_done)
-
-    def _publish_after(
-        self, upload: Future[Any], tmp: Path, fields: dict[str, Any], on_done: OnDone | None
-    ) -> None:
-        error: Exception | None = None
-        try:
-            upload.result()  # DCP's finish on rank 0 follows every rank's write
-        except Exception as exc:
-            error = exc
-        self._finish(error, tmp, fields, on_done)
 
     def _finish(
         self,
@@ -234,6 +219,4 @@ class DcpCheckpoints:
     def close(self) -> None:
         """Wait for the save in flight and release the staging buffers."""
         self.wait()
-        for stager in (self.writer, self.stager):
-            if stager is not None:
-                stager.close()
+        self.stager.close()

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from lossguard.agent.checkpoint.background import start_writer
 from lossguard.common.rundir.checkpoints import (
     META_FILE,
     NAME_RE,
@@ -143,12 +144,10 @@ class CheckpointStore:
         self._check_caller()
         with self._submit:
             self.wait()
-            self._writer = threading.Thread(
-                target=self._write_in_background,
-                args=(payload, fields, on_done),
+            self._writer = start_writer(
+                lambda: self._write_in_background(payload, fields, on_done),
                 name=f"lossguard-checkpoint-{step}",
             )
-            self._writer.start()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until no save is in flight, or ``timeout`` seconds (then see ``in_progress``)."""
