@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -58,7 +58,7 @@ def before() -> Iterator[Before]:
             signal.signal(signum, previous)
 
 
-def send(signum: int, caught: Any) -> None:
+def send(signum: int, caught: Callable[[], object]) -> None:
     """Signal this process; wait until ``caught()`` says it was handled (on the main thread, at
     the interpreter's next check)."""
     os.kill(os.getpid(), signum)
@@ -88,13 +88,14 @@ def test_the_guard_takes_over_the_catcher_and_puts_back_the_handlers_from_before
         taken.install()
         assert taken is early and not before.installed()
         send(signal.SIGUSR1, lambda: taken.pending)
-        assert taken.kind == 2 and before.installed() and not before.got
-        taken.uninstall()
-    assert before.installed()
-    with caught_for_guard():  # a Guard that closed: a signal after it is not this catcher's
+        assert taken.kind == 2 and taken.name == "SIGUSR1" and before.installed()
+    with caught_for_guard():
         taken = StopSignals.take_over()
-        taken.uninstall()
+        taken.uninstall()  # the Guard closes, no signal came
         assert before.installed()
+    with caught_for_guard():  # the start failed before a Guard took over
+        assert not before.installed()
+    assert before.installed() and not before.got
 
 
 def test_a_guard_that_fails_to_start_puts_the_handlers_back(tmp_path: Path, before: Before) -> None:
@@ -150,7 +151,10 @@ def test_the_agent_cli_module_loads_neither_pydantic_nor_torch() -> None:
 
 def loading_torch(pid: int) -> bool:
     """Whether process ``pid`` has mapped torch's library (it is importing torch, or did)."""
-    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # it ended
+        return False
 
 
 def settings(tmp_path: Path, cache: Path, when: str) -> dict[str, Any]:
