@@ -1,18 +1,25 @@
-"""``lossguard-agent``: run a training job or benchmark one, or check a config."""
+"""``lossguard-agent``: run a training job or benchmark one, or check a config.
+
+This module imports little (no pydantic, no torch): ``run`` catches the stop signals as soon
+as the command line is parsed, before the config, torch and the model are loaded."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from lossguard.agent.config import Config, load_config
+from lossguard.agent.stop_signals import caught_for_guard, ignore_stop_signals
 from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, add_override_option
-from lossguard.common.config import ConfigError
-from lossguard.common.control.protocol import Target, parse_target
 from lossguard.common.exitcodes import EXIT_PERMANENT
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
+
+if TYPE_CHECKING:
+    from lossguard.agent.config import Config
+    from lossguard.common.control.protocol import Target
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
@@ -83,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _precisions(arg: str | None, cfg: Config) -> list[str]:
+    from lossguard.common.config import ConfigError
+
     if arg is None:
         return [cfg.precision.dtype]
     chosen = [p.strip() for p in arg.split(",") if p.strip()]
@@ -93,6 +102,9 @@ def _precisions(arg: str | None, cfg: Config) -> list[str]:
 
 
 def _resume_target(args: argparse.Namespace) -> Target | None:
+    from lossguard.common.config import ConfigError
+    from lossguard.common.control.protocol import parse_target
+
     if args.skip_batches < 0:
         raise ConfigError("--skip-batches: must be >= 0")
     if args.resume is None:
@@ -110,8 +122,8 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 def _run(args: argparse.Namespace, cfg: Config) -> int:
     from lossguard.agent.recovery import RestoreError
     from lossguard.agent.startup import CheckpointsExist
-    from lossguard.agent.stop_signals import ignore_stop_signals
     from lossguard.agent.train.trainer import Trainer
+    from lossguard.common.config import ConfigError
 
     resume = _resume_target(args)
     try:
@@ -169,6 +181,7 @@ def _bench(args: argparse.Namespace, cfg: Config) -> int:
         run_checkpoint_benchmark,
         run_overhead_benchmark,
     )
+    from lossguard.common.config import ConfigError
 
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.rounds < 1:
         raise ConfigError("--steps, --repeats and --rounds must be >= 1, --warmup >= 0")
@@ -191,6 +204,15 @@ def _bench(args: argparse.Namespace, cfg: Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # run: a stop signal from here on is acted on at the first step boundary (the Guard takes
+    # this catcher over), not lost to the default action while torch loads and the model builds
+    with caught_for_guard() if args.command == "run" else contextlib.nullcontext():
+        return _command(args)
+
+
+def _command(args: argparse.Namespace) -> int:
+    from lossguard.agent.config import load_config
+    from lossguard.common.config import ConfigError
     from lossguard.common.console import setup_logging
 
     setup_logging()

@@ -54,7 +54,7 @@ from lossguard.agent.startup import (
     start_recovery,
     start_telemetry,
 )
-from lossguard.agent.stop_signals import StopSignals
+from lossguard.agent.stop_signals import StopSignals, catching_from_the_start
 from lossguard.agent.telemetry.batch_tokens import BatchTokens
 from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.interval import Interval
@@ -82,8 +82,15 @@ class Guard:
 
     Starting (``resume``, ``skip_batches``, ``overwrite``): as ``startup.StartPlan`` says; a
     resume target that cannot be restored raises RestoreError (the Guard is then closed).
+
+    The stop signals (``stop_signals``) are caught from the start of ``__init__`` (taken over
+    from ``lossguard-agent run``'s catcher); one that comes while the Guard starts is acted on
+    at the first ``poll``. If ``__init__`` raises, the handlers from before are put back.
     """
 
+    signals: StopSignals
+
+    @catching_from_the_start
     def __init__(
         self,
         run_dir: str | Path,
@@ -133,7 +140,6 @@ class Guard:
         self.last_train_loss: float | None = None
         self.last_val: tuple[int, float] | None = None  # (step, val_loss) of the last evaluation
         self._nonfinite_checkpoint_taken = False
-        self.signals = StopSignals()
         self.interval = Interval(self.device)
 
         self.path = Path(run_dir)
@@ -225,7 +231,6 @@ class Guard:
             self.event(START, **start_fields(self.control, self.world_size))
         if moved is not None:
             self.event(OVERWRITTEN, moved_to=str(moved[0]), checkpoints=moved[1])
-        self.signals.install()
         if start.target is not None:
             self._resume(start)
         self._before_next_step()
@@ -261,6 +266,13 @@ class Guard:
     @property
     def lr_scale(self) -> float:
         return self.progress.lr_scale
+
+    @property
+    def untrained(self) -> bool:
+        """At step 0 of a run started afresh, with nothing saved or restored: the model is as
+        initialised. A stop or the end of the loop saves no checkpoint then: it would hold no
+        training, and without one a restart, a requeue or a rerun starts afresh again."""
+        return self.step == 0 and self.recovery.last_saved_step is None
 
     @property
     def stop_requested(self) -> bool:
@@ -527,9 +539,10 @@ class Guard:
         self.recovery.set_lr_scale(scale)
 
     def finish(self) -> None:
-        """Training ended normally: save the final state (``checkpoint.save_on_exit``)."""
+        """Training ended normally: save the final state (``checkpoint.save_on_exit``; not
+        while ``untrained``)."""
         saved = self.recovery.last_saved_step
-        if self.config.checkpoint.save_on_exit and saved != self.step:
+        if self.config.checkpoint.save_on_exit and saved != self.step and not self.untrained:
             self.save("final", wait=True)
 
     def close(self, *, failed: bool = False) -> None:

@@ -12,14 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
 
 from lossguard.common.exitcodes import EXIT_COMPLETED, EXIT_STOPPED
-from tests.bench_supervisor import trained_since
 from tests.conftest import REPO, stop_process, wait_for
 
 README = REPO / "README.md"
@@ -74,7 +72,6 @@ class Walkthrough:
 
     home: Path
     background: dict[str, subprocess.Popen] = field(default_factory=dict)
-    started_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def env(self) -> dict[str, str]:
@@ -111,12 +108,10 @@ class Walkthrough:
         key = self.run_dir(words)
         if words[0] != "lossguard-monitor":
             for other in [k for k in self.background if k != "monitor"]:
-                self.training(other)
                 self.background[other].send_signal(signal.SIGTERM)
                 self.finished(other)
         assert key not in self.background, f"{key} is still running"
         before = self.agent_pid(key)
-        self.started_at[key] = time.time()
         self.background[key] = subprocess.Popen(
             words,
             cwd=self.home,
@@ -131,19 +126,6 @@ class Walkthrough:
         if "checkpoint.every=50" in words:  # a checkpoint for the README's rollback
             checkpoints = self.home / key / "checkpoints"
             wait_for(lambda: any(checkpoints.glob("step_*")), 120, f"{key}'s checkpoint", 0.2)
-
-    def training(self, key: str) -> None:
-        """Wait until the run ``key`` logged a step since it started (or ended): only then are
-        its stop-signal handlers installed (a SIGTERM while it starts up kills it)."""
-        process = self.background[key]
-        wait_for(
-            lambda: (
-                process.poll() is not None or trained_since(self.home / key, self.started_at[key])
-            ),
-            120,
-            f"{key} training",
-            0.2,
-        )
 
     def agent_pid(self, key: str) -> int | None:
         """The pid in the run's agent.json while that agent lives (None before and after)."""

@@ -41,6 +41,8 @@ class Controllable(Protocol):
     def step(self) -> int: ...
     @property
     def lr_scale(self) -> float: ...
+    @property
+    def untrained(self) -> bool: ...
 
     stop_requested: bool
 
@@ -214,16 +216,20 @@ class CommandRunner:
         self.stop(reason="stop", reply=reply)
 
     def stop(self, *, reason: str, reply: Reply | None = None) -> None:
-        """Save, then ask the loop to end (``stop_requested``)."""
+        """Save (not while ``untrained``: nothing trained, nothing to save), then ask the loop
+        to end (``stop_requested``)."""
         target = self.target
         saved: list[str | None] = [None]
 
         def done(result: CheckpointMeta | BaseException) -> None:
             saved[0] = None if isinstance(result, BaseException) else result.name
 
-        target.save(reason, wait=True, on_done=done)
+        untrained = target.untrained
+        if not untrained:
+            target.save(reason, wait=True, on_done=done)
         target.stop_requested = True
         target.set_paused(False)
-        log.info("stopping at step %d (%s)", target.step, reason)
+        why = f"{reason}; nothing trained yet, nothing saved" if untrained else reason
+        log.info("stopping at step %d (%s)", target.step, why)
         if reply is not None:
             reply({"step": target.step, "checkpoint": saved[0]})
