@@ -219,17 +219,18 @@ def exited_or_saved(child: subprocess.Popen[bytes], folder: Path) -> Callable[[]
     return lambda: child.poll() is not None or folder.is_dir()
 
 
-def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    script = tmp_path / "child.py"
+def sigkill_rounds(root: Path, rounds: int, seed: int = 20240611) -> list[int]:
+    """``rounds`` child processes, one after another, each saving 4 MiB checkpoints into
+    ``root`` in a loop and SIGKILLed 0-0.3 s after its first save; after each kill the store
+    holds nothing hidden and every checkpoint verifies and loads. The steps of the newest
+    checkpoint after each round. (The soak: ``python -m tests.bench_checkpoint_kills``.)"""
+    script = root.parent / f"{root.name}-child.py"
     script.write_text(CHILD)
-    root = tmp_path / "ck"
     root.mkdir()
-    rng = random.Random(20240611)
+    rng = random.Random(seed)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    caplog.set_level(logging.WARNING, logger=LOGGER)
-    for round_no in range(12):
+    newest = []
+    for round_no in range(rounds):
         first = 1000 * round_no + 1
         child = subprocess.Popen(
             [sys.executable, str(script), str(root), str(first)],
@@ -260,6 +261,17 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(
         assert meta == metas[-1]
         assert state["step"] == meta.step
         assert torch.equal(state["weights"], torch.full((1 << 20,), float(meta.step)))
+        newest.append(meta.step)
+    return newest
+
+
+def test_sigkill_at_random_moments_never_leaves_a_broken_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Six rounds (each a kill at a fresh random moment of a fresh process); the soak runs
+    more of the same rounds."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    assert len(sigkill_rounds(tmp_path / "ck", rounds=6)) == 6
     assert [r for r in caplog.records if r.name == LOGGER] == []
 
 
