@@ -146,11 +146,26 @@ def test_mfu_and_throughput_match_an_independent_computation(
 SPIKE_RUN = {"batch_size": 32, "log_every": 10, "eval_every": 100_000, "schedule": "constant"}
 
 
-def test_lr_fault_makes_a_detected_spike_that_recovers(tmp_path: Path, corpus_cache: Path) -> None:
+def test_a_clean_run_has_no_spike_over_500_steps_then_an_lr_fault_makes_one_that_recovers(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    """One run: its 499 steps before the fault are the clean run (the detectors judge ~470 of
+    them, past a full window; the 1000-step soak is the same run with train.max_steps=1000),
+    scraped there; then the fault's spike is detected and recovers from."""
     fault = {"kind": "lr_scale", "step": 500, "duration": 5, "factor": 15.0}
     cfg = config(tmp_path, corpus_cache, train={"max_steps": 600, **SPIKE_RUN}, faults=[fault])
-    trainer, text = train_and_scrape(cfg)
+    trainer = Trainer(cfg, progress=False)
+    try:
+        while trainer.guard.step < 499:
+            trainer.train_step()
+        clean = scrape(trainer.run_path)
+        trainer.fit()
+        text = scrape(trainer.run_path)
+    finally:
+        trainer.close()
+    assert all(v == 0 for _, v in samples(clean)["lossguard_spikes_total"])
     train = {r["step"]: r for r in records(trainer.run_path, "train")}
+    assert all(not r["loss_spike_active"] for s, r in train.items() if s < 500)
     assert all(train[s]["loss_spikes_total"] == 0 for s in train if s < 500)
     assert train[510]["loss_spike_active"] is True and train[510]["loss_spikes_total"] == 1
     assert train[600]["loss_spike_active"] is False  # recovered
@@ -165,15 +180,6 @@ def test_lr_fault_makes_a_detected_spike_that_recovers(tmp_path: Path, corpus_ca
     assert diagnosis["nonfinite"] is False and diagnosis["zscore"] > 6
     assert diagnosis["value"] > diagnosis["window_mean"] + 6 * diagnosis["window_std"]
     assert diagnosis["causes"]
-
-
-def test_clean_run_reports_no_spike_over_500_steps(tmp_path: Path, corpus_cache: Path) -> None:
-    # 500 steps: the detectors judge ~470 of them, past a full window; the 1000-step soak is the
-    # same run with train.max_steps=1000 (the suite keeps to its time budget)
-    cfg = config(tmp_path, corpus_cache, train={"max_steps": 500, **SPIKE_RUN})
-    trainer, text = train_and_scrape(cfg)
-    assert all(v == 0 for _, v in samples(text)["lossguard_spikes_total"])
-    assert all(not r["loss_spike_active"] for r in records(trainer.run_path, "train"))
 
 
 def test_nan_fault_is_counted_and_its_update_skipped(tmp_path: Path, corpus_cache: Path) -> None:
