@@ -14,8 +14,10 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import requests
+import yaml
 
 from lossguard.common.exitcodes import EXIT_COMPLETED, EXIT_STOPPED
 from tests.conftest import REPO, stop_process, wait_for
@@ -168,12 +170,24 @@ class Walkthrough:
             del self.background[key]
 
 
+def walkthrough_demo(settings: dict[str, Any], cache: Path) -> dict[str, Any]:
+    """The scratch demo.yaml the walkthrough's commands read: the README's commands as written,
+    on the tiny model and corpus slice of every other test (its tokenised cache shared), with
+    steps enough that a run started in the background is still training when the README's next
+    commands drive it (it ends when the walkthrough stops it)."""
+    settings["model"].update(n_layer=2, n_head=2, n_embd=64, block_size=64)
+    settings["data"].update(max_bytes=400_000, cache_dir=str(cache))
+    settings["train"].update(max_steps=1_000_000, eval_batches=2)
+    return settings
+
+
 def test_every_readme_command_runs(tmp_path: Path, corpus_cache: Path) -> None:
     for folder in ("configs", "alerts"):
         shutil.copytree(REPO / folder, tmp_path / folder)
-    # the demo corpus from the session cache, as every test does (no second tokenising pass)
     demo = tmp_path / "configs" / "demo.yaml"
-    demo.write_text(demo.read_text().replace("data:\n", f"data:\n  cache_dir: {corpus_cache}\n", 1))
+    demo.write_text(
+        yaml.safe_dump(walkthrough_demo(yaml.safe_load(demo.read_text()), corpus_cache))
+    )
     walk = Walkthrough(tmp_path)
     ran = []
     try:
