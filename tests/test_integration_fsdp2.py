@@ -82,11 +82,9 @@ def saved_digest(checkpoint: Path, model: nn.Module, tmp_path: Path) -> str:
     return weights_digest(model)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
-    """Both scenarios in one 2-rank launch, each driven by ``operate``; the root and what each
-    operator saw."""
-    root = tmp_path_factory.mktemp("fsdp2")
+def launch(root: Path) -> dict[str, dict[str, Any]]:
+    """Both scenarios in one 2-rank launch, each driven by ``operate``; what each operator
+    saw."""
     log = root / "ranks.log"  # a file, not a pipe nobody reads while the operators run
     with log.open("w") as output:
         ranks = subprocess.Popen(
@@ -103,15 +101,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         stop_process(ranks)  # torchrun passes SIGTERM on to the ranks
         raise AssertionError(log.read_text()[-3000:]) from failure
     assert ranks.returncode == 0, log.read_text()[-3000:]
-    return root, seen
+    return seen
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_a_sharded_framework_run_is_watched_saved_with_dcp_and_rolled_back_on_every_rank(
-    runs: tuple[Path, dict[str, dict[str, Any]]], scenario: str, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    root, seen = runs[0], runs[1][scenario]
-    run_dir = root / "runs" / scenario
+    """One launch for both frameworks (one test, so that pytest-xdist never starts the launch
+    twice, once per worker)."""
+    seen = launch(tmp_path)
+    for scenario in SCENARIOS:
+        check_scenario(tmp_path / "runs" / scenario, seen[scenario], scenario, tmp_path)
+
+
+def check_scenario(run_dir: Path, seen: dict[str, Any], scenario: str, tmp_path: Path) -> None:
+    """What ``operate`` saw of ``scenario``'s run, and what the run left in ``run_dir``."""
     paused, saved, rollback = seen["paused"], seen["saved"], seen["rollback"]
     # Guard's metrics while paused, the gradient norm taken over the DTensor shards
     for rank in ("0", "1"):
