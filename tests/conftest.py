@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -231,3 +232,21 @@ def stop_process(process: subprocess.Popen, timeout: float = 30) -> int:
             process.kill()
             process.wait()
     return int(process.returncode)
+
+
+def corpus_slice(cache: Path) -> Path:
+    """``tiny_settings``' corpus slice as one file in ``cache`` (made once), byte for byte (less
+    a character its cut split): with ``data.path`` set to it a run trains on the same tokens,
+    without walking the standard library at its start."""
+    from lossguard.agent.train.corpus import TOKEN_DTYPE, prepare_text_corpus
+
+    path = cache / "tiny-slice.txt"
+    if not path.exists():
+        data = parse_config(tiny_settings(cache, cache)).data
+        tokens = prepare_text_corpus(data, cache)
+        splits = [np.fromfile(tokens / f"{s}.bin", dtype=TOKEN_DTYPE) for s in ("train", "val")]
+        text = np.concatenate(splits).astype(np.uint8).tobytes().decode("utf-8", errors="ignore")
+        partial = path.with_suffix(f".{os.getpid()}")
+        partial.write_bytes(text.encode())
+        partial.rename(path)
+    return path

@@ -20,6 +20,7 @@ from lossguard.common.control.client import ControlClient
 from lossguard.common.exitcodes import EXIT_CODES, EXIT_STOPPED
 
 from .conftest import (
+    corpus_slice,
     events,
     run_cli,
     start_agent,
@@ -41,6 +42,7 @@ def exact_settings(tmp_path: Path, cache: Path, dtype: str = "fp32") -> dict[str
         model={"dropout": 0.1},  # dropout makes the torch RNG state matter
         precision={"dtype": dtype},
         checkpoint={"every": 5, "keep_last": 100},
+        data={"path": str(corpus_slice(cache))},
     )
 
 
@@ -348,6 +350,7 @@ def test_rollback_to_last_good_goes_back_past_the_update_that_made_the_loss_spik
         checkpoint={"every": 20, "keep_last": 100},
         telemetry={"spikes": {"zscore": 25.0}},
         faults=[{"kind": "lr_scale", "step": 40, "duration": 50, "factor": 1000, "once": True}],
+        data={"path": str(corpus_slice(corpus_cache))},
     )
     agent = start_agent(write_config(tmp_path / "c.yaml", settings))
     run_dir = tmp_path / "runs/tiny"
