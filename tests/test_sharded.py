@@ -25,6 +25,7 @@ from lossguard.common.config import ConfigError
 from lossguard.common.rundir.checkpoints import CheckpointError, read_meta
 from tests.conftest import (
     REPO,
+    corpus_slice,
     events,
     json_lines,
     run_cli,
@@ -53,6 +54,7 @@ def sharded_settings(runs: Path, cache: Path, **distributed: Any) -> dict[str, A
         checkpoint={"every": 4, "keep_last": 100},
         telemetry={"grad_diagnostics": {"enabled": True, "every": 3}},
         distributed={"strategy": "fsdp2", **distributed},
+        data={"path": str(corpus_slice(cache))},
     )
 
 
