@@ -20,7 +20,7 @@ import requests
 import yaml
 
 from lossguard.common.exitcodes import EXIT_COMPLETED, EXIT_STOPPED
-from tests.conftest import REPO, stop_process, wait_for
+from tests.conftest import REPO, corpus_slice, stop_process, wait_for
 
 README = REPO / "README.md"
 BIN = Path(sys.executable).parent
@@ -172,11 +172,12 @@ class Walkthrough:
 
 def walkthrough_demo(settings: dict[str, Any], cache: Path) -> dict[str, Any]:
     """The scratch demo.yaml the walkthrough's commands read: the README's commands as written,
-    on the tiny model and corpus slice of every other test (its tokenised cache shared), with
-    steps enough that a run started in the background is still training when the README's next
-    commands drive it (it ends when the walkthrough stops it)."""
+    on the tiny model and corpus slice of every other test (one file: no walk over the
+    standard library at each start), with steps enough that a run started in the background
+    is still training when the README's next commands drive it (it ends when the walkthrough
+    stops it)."""
     settings["model"].update(n_layer=2, n_head=2, n_embd=64, block_size=64)
-    settings["data"].update(max_bytes=400_000, cache_dir=str(cache))
+    settings["data"].update(path=str(corpus_slice(cache)), cache_dir=str(cache))
     settings["train"].update(max_steps=1_000_000, eval_batches=2)
     return settings
 
