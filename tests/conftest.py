@@ -250,3 +250,20 @@ def corpus_slice(cache: Path) -> Path:
         partial.write_bytes(text.encode())
         partial.rename(path)
     return path
+
+
+def sliced_settings(runs: Path, cache: Path, **sections: Any) -> dict[str, Any]:
+    """``tiny_settings`` on ``corpus_slice``: the same run, started faster."""
+    settings = tiny_settings(runs, cache, **sections)
+    settings["data"]["path"] = str(corpus_slice(cache))
+    return settings
+
+
+@pytest.fixture
+def sliced_config(tmp_path: Path, corpus_cache: Path):
+    """``tiny_config`` on ``corpus_slice``: the same Config, its Trainer built faster."""
+
+    def build(**sections: dict[str, Any]) -> Config:
+        return parse_config(sliced_settings(tmp_path / "runs", corpus_cache, **sections))
+
+    return build

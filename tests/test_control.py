@@ -25,7 +25,7 @@ from lossguard.common.control.server import answered_before
 from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.directory import RunDirectory
 
-from .conftest import events, start_agent, tiny_settings, wait_for, write_config
+from .conftest import events, sliced_settings, start_agent, wait_for, write_config
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -34,7 +34,7 @@ class Agent:
     """A long-running training process with a Unix socket and a token-protected TCP port."""
 
     def __init__(self, tmp_path: Path, cache: Path) -> None:
-        settings = tiny_settings(
+        settings = sliced_settings(
             tmp_path / "runs",
             cache,
             train={"max_steps": 1_000_000, "log_every": 1, "eval_every": 1_000_000},

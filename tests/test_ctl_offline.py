@@ -28,7 +28,7 @@ from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.common.rundir.names import SUPERVISOR_FILE
 from lossguard.common.rundir.supervisor_file import SupervisorInfo
 
-from .conftest import REPO, events, start_agent, tiny_settings, wait_for, write_config
+from .conftest import REPO, events, sliced_settings, start_agent, wait_for, write_config
 
 
 def ctl(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -134,7 +134,7 @@ def test_a_dead_agent_gets_one_line_that_resumes_it(
     """A run killed mid-way: every command that needs the agent says so in one line, naming
     the supervisor when one is restarting the run, else the command that resumes it; that
     command works."""
-    settings = tiny_settings(
+    settings = sliced_settings(
         tmp_path / "runs",
         corpus_cache,
         train={"max_steps": 40, "batch_size": 32, "log_every": 1, "eval_every": 1000},

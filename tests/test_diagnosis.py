@@ -24,7 +24,7 @@ from lossguard.common.control.client import ControlClient, ControlError
 from lossguard.common.control.protocol import ProtocolError, validate_args
 from lossguard.common.exitcodes import EXIT_STOPPED
 
-from .conftest import events, start_agent, tiny_settings, wait_for, write_config
+from .conftest import events, sliced_settings, start_agent, wait_for, write_config
 
 INF = float("inf")
 
@@ -206,7 +206,7 @@ class NanRun:
     healthy again once the episode ends)."""
 
     def __init__(self, tmp_path: Path, cache: Path) -> None:
-        settings = tiny_settings(
+        settings = sliced_settings(
             tmp_path / "runs",
             cache,
             train={"max_steps": 1_000_000, "log_every": 1, "eval_every": 1_000_000},

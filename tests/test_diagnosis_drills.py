@@ -15,7 +15,7 @@ import pytest
 from lossguard.agent.config import parse_config
 from lossguard.agent.train.trainer import Trainer
 
-from .conftest import events, tiny_settings, write_config
+from .conftest import events, sliced_settings, write_config
 from .test_sharded import finished, torchrun
 
 FAULT_STEP = 60
@@ -28,7 +28,7 @@ def diagnoses(
     """Train the tiny model 66 steps (warm-up 30) with ``fault`` at step 60, the spike window
     short enough to forget the warm-up's falling loss; the diagnoses of the detections, the
     first of which must be at step ``at``."""
-    settings = tiny_settings(
+    settings = sliced_settings(
         tmp_path / "runs",
         cache,
         train={"max_steps": 66, "warmup_steps": 30, "log_every": 3, "eval_every": 1000},
@@ -117,7 +117,7 @@ def test_an_activation_outlier_under_fp8_shows_as_overflow(
 def test_under_torchrun_every_rank_s_share_is_judged(tmp_path: Path, corpus_cache: Path) -> None:
     """DDP on 2 ranks: the ranks' statistics are gathered at the detection; the corrupt batch
     (random tokens on both ranks) is named with both shares."""
-    settings = tiny_settings(
+    settings = sliced_settings(
         tmp_path / "runs",
         corpus_cache,
         train={"max_steps": 44, "warmup_steps": 10, "log_every": 2, "eval_every": 1000},

@@ -11,7 +11,7 @@ import torch
 
 from lossguard.agent.config import FaultConfig
 from lossguard.agent.train.faults import FaultInjector
-from tests.conftest import run_cli, tiny_settings, write_config
+from tests.conftest import run_cli, sliced_settings, write_config
 
 
 def test_a_once_fault_spares_the_replay_and_a_plain_one_recurs() -> None:
@@ -50,7 +50,7 @@ def test_a_once_fault_spares_the_replay_and_a_plain_one_recurs() -> None:
 def test_slow_save_holds_a_synchronous_checkpoint_and_only_it(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    settings = tiny_settings(
+    settings = sliced_settings(
         tmp_path / "runs",
         corpus_cache,
         train={"max_steps": 30, "log_every": 1, "eval_every": 1000},

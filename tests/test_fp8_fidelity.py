@@ -23,7 +23,7 @@ from lossguard.agent.train.faults import OUTLIER, plant_outlier
 from lossguard.agent.train.trainer import Trainer
 from lossguard.common.config import ConfigError
 
-from .conftest import count_host_reads, run_cli, tiny_settings
+from .conftest import count_host_reads, run_cli, sliced_settings
 
 THRESHOLD = 0.9  # FP8FidelityLow in alerts/lossguard.rules.yml
 GAUGE = "lossguard_fp8_fidelity_min_grad_cosine"
@@ -184,7 +184,7 @@ def test_outlier_flushes_every_other_value_in_fp8() -> None:
 def trainer_settings(tmp_path: Path, corpus_cache: Path, **telemetry: Any) -> dict[str, Any]:
     """A tiny fp8 GPT (width 32, 16 tokens, 2 micro-batches of 2) with an activation_outlier
     at step 4."""
-    return tiny_settings(
+    return sliced_settings(
         tmp_path / "runs",
         corpus_cache,
         model={"n_embd": 32, "block_size": 16, "dropout": 0.1},

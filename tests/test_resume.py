@@ -20,12 +20,11 @@ from lossguard.common.control.client import ControlClient
 from lossguard.common.exitcodes import EXIT_CODES, EXIT_STOPPED
 
 from .conftest import (
-    corpus_slice,
     events,
     run_cli,
+    sliced_settings,
     start_agent,
     step_records,
-    tiny_settings,
     wait_for,
     write_config,
 )
@@ -35,14 +34,13 @@ STEPS = 40
 
 def exact_settings(tmp_path: Path, cache: Path, dtype: str = "fp32") -> dict[str, Any]:
     """Slow enough per step (~40 ms) that a test can act between checkpoints."""
-    return tiny_settings(
+    return sliced_settings(
         tmp_path / "runs",
         cache,
         train={"max_steps": STEPS, "batch_size": 32, "log_every": 1, "eval_every": 1000},
         model={"dropout": 0.1},  # dropout makes the torch RNG state matter
         precision={"dtype": dtype},
         checkpoint={"every": 5, "keep_last": 100},
-        data={"path": str(corpus_slice(cache))},
     )
 
 
@@ -343,14 +341,13 @@ def test_rollback_to_last_good_goes_back_past_the_update_that_made_the_loss_spik
     """The checkpoint of step 40 holds step 40's update, made at 1000x the learning rate: it is
     saved healthy (the loss it causes shows only at step 41), so ``last_good`` must mean the
     newest healthy checkpoint before the step ahead of the episode: step 20."""
-    settings = tiny_settings(
+    settings = sliced_settings(
         tmp_path / "runs",
         corpus_cache,
         train={"max_steps": 100_000, "log_every": 1, "eval_every": 10**6},
         checkpoint={"every": 20, "keep_last": 100},
         telemetry={"spikes": {"zscore": 25.0}},
         faults=[{"kind": "lr_scale", "step": 40, "duration": 50, "factor": 1000, "once": True}],
-        data={"path": str(corpus_slice(corpus_cache))},
     )
     agent = start_agent(write_config(tmp_path / "c.yaml", settings))
     run_dir = tmp_path / "runs/tiny"

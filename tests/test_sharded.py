@@ -25,14 +25,13 @@ from lossguard.common.config import ConfigError
 from lossguard.common.rundir.checkpoints import CheckpointError, read_meta
 from tests.conftest import (
     REPO,
-    corpus_slice,
     events,
     json_lines,
     run_cli,
+    sliced_settings,
     start_monitor,
     step_records,
     stop_process,
-    tiny_settings,
     wait_for,
     write_config,
     write_monitor_config,
@@ -46,7 +45,7 @@ AGENT = ["-m", "lossguard.agent.cli", "run"]
 
 def sharded_settings(runs: Path, cache: Path, **distributed: Any) -> dict[str, Any]:
     """Dropout (the RNG states matter), gradient accumulation, a dcp checkpoint every 4 steps."""
-    return tiny_settings(
+    return sliced_settings(
         runs,
         cache,
         model={"dropout": 0.1},
@@ -54,7 +53,6 @@ def sharded_settings(runs: Path, cache: Path, **distributed: Any) -> dict[str, A
         checkpoint={"every": 4, "keep_last": 100},
         telemetry={"grad_diagnostics": {"enabled": True, "every": 3}},
         distributed={"strategy": "fsdp2", **distributed},
-        data={"path": str(corpus_slice(cache))},
     )
 
 
@@ -371,7 +369,7 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor
     assert replayed and all(math.isfinite(loss) for loss in replayed)
 
 
-def test_fsdp2_with_each_block_compiled_trains_like_eager(tiny_config) -> None:
+def test_fsdp2_with_each_block_compiled_trains_like_eager(sliced_config) -> None:
     """model.compile under FSDP2 compiles each block's forward before it is sharded (FP8
     layers inside); aot_eager traces as inductor does, without generating kernels."""
     from torch._dynamo.utils import counters
@@ -381,7 +379,7 @@ def test_fsdp2_with_each_block_compiled_trains_like_eager(tiny_config) -> None:
     losses = {}
     for compiled in (False, True):
         graphs = counters["stats"]["unique_graphs"]
-        cfg = tiny_config(
+        cfg = sliced_config(
             run={"id": f"compiled-{compiled}"},
             model={"n_layer": 2, "compile": compiled, "compile_backend": "aot_eager"},
             precision={"dtype": "fp8"},

@@ -18,7 +18,7 @@ from lossguard.agent.config import parse_config
 from lossguard.agent.train.spam import SPAM
 from lossguard.agent.train.trainer import Trainer
 
-from .conftest import step_records, tiny_settings
+from .conftest import sliced_settings, step_records
 from .test_telemetry import promtool_findings
 
 STEPS = 16
@@ -26,7 +26,7 @@ RESUME_AT = 7  # in the warm-up after the reset at step 6; the next reset (12) c
 
 
 def spam_settings(runs: Path, cache: Path, run_id: str) -> dict[str, Any]:
-    return tiny_settings(
+    return sliced_settings(
         runs,
         cache,
         run={"id": run_id},

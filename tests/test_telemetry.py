@@ -20,11 +20,11 @@ from lossguard.agent.train.model import GPT
 from lossguard.agent.train.trainer import Trainer
 from lossguard.common.catalogue import CATALOGUE, NVML_METRICS, OPTIMIZER_COUNTERS, exposed_name
 
-from .conftest import run_cli, start_agent, tiny_settings, wait_for, write_config
+from .conftest import run_cli, sliced_settings, start_agent, wait_for, write_config
 
 
 def config(tmp_path: Path, cache: Path, **sections: Any) -> Config:
-    return parse_config(tiny_settings(tmp_path / "runs", cache, **sections))
+    return parse_config(sliced_settings(tmp_path / "runs", cache, **sections))
 
 
 def scrape(run_dir: Path) -> str:
@@ -249,7 +249,7 @@ def test_slow_and_corrupt_batch_faults_perturb_the_real_run(
 def test_hang_and_crash_faults_behave_like_the_real_thing(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    settings = tiny_settings(
+    settings = sliced_settings(
         tmp_path / "runs",
         corpus_cache,
         train={"max_steps": 100, "log_every": 1},

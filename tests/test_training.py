@@ -16,7 +16,7 @@ from torch import nn
 from lossguard.agent.config import Config, load_config
 from lossguard.agent.train.trainer import FitResult, Trainer
 
-from .conftest import REPO, run_cli, tiny_settings
+from .conftest import REPO, run_cli, sliced_settings
 
 
 def fit(cfg: Config) -> tuple[FitResult, Trainer]:
@@ -55,9 +55,9 @@ def test_loss_falls_on_the_demo_corpus(tmp_path: Path, corpus_cache: Path) -> No
     ("dtype", "recipe"),
     [("fp32", None), ("bf16", None), ("fp16", None), ("fp8", "tensorwise"), ("fp8", "rowwise")],
 )
-def test_each_precision_trains(tiny_config, dtype: str, recipe: str | None) -> None:
+def test_each_precision_trains(sliced_config, dtype: str, recipe: str | None) -> None:
     precision = {"dtype": dtype} | ({"fp8_recipe": recipe} if recipe else {})
-    result, trainer = fit(tiny_config(precision=precision, train={"max_steps": 40}))
+    result, trainer = fit(sliced_config(precision=precision, train={"max_steps": 40}))
     train = records(result.run_dir, "train")
     evals = records(result.run_dir, "eval")
     assert all(math.isfinite(r["train_loss"]) for r in train)
@@ -76,19 +76,19 @@ def test_each_precision_trains(tiny_config, dtype: str, recipe: str | None) -> N
         assert not isinstance(trainer.raw_model.lm_head, Float8Linear)
 
 
-def test_fp8_loss_stays_within_ten_percent_of_bf16(tiny_config) -> None:
+def test_fp8_loss_stays_within_ten_percent_of_bf16(sliced_config) -> None:
     final = {}
     for dtype in ("bf16", "fp8"):
-        cfg = tiny_config(run={"id": dtype}, precision={"dtype": dtype}, train={"max_steps": 80})
+        cfg = sliced_config(run={"id": dtype}, precision={"dtype": dtype}, train={"max_steps": 80})
         result, _ = fit(cfg)
         final[dtype] = records(result.run_dir, "eval")[-1]["val_loss"]
     assert abs(final["fp8"] - final["bf16"]) / final["bf16"] < 0.10, final
 
 
-def test_compiled_model_trains_like_eager(tiny_config) -> None:
+def test_compiled_model_trains_like_eager(sliced_config) -> None:
     losses = {}
     for compiled in (False, True):
-        cfg = tiny_config(
+        cfg = sliced_config(
             run={"id": f"compile-{compiled}"},
             model={"n_layer": 1, "compile": compiled},
             train={"max_steps": 6, "log_every": 2, "eval_every": 6},
@@ -99,8 +99,8 @@ def test_compiled_model_trains_like_eager(tiny_config) -> None:
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
 
 
-def test_run_directory_holds_config_env_and_metrics(tiny_config) -> None:
-    cfg = tiny_config(train={"max_steps": 12, "log_every": 4, "eval_every": 6, "grad_accum": 2})
+def test_run_directory_holds_config_env_and_metrics(sliced_config) -> None:
+    cfg = sliced_config(train={"max_steps": 12, "log_every": 4, "eval_every": 6, "grad_accum": 2})
     result, trainer = fit(cfg)
     run_dir = result.run_dir
     assert run_dir == Path(cfg.run.dir) / "tiny"
@@ -115,16 +115,16 @@ def test_run_directory_holds_config_env_and_metrics(tiny_config) -> None:
     assert [r["step"] for r in records(run_dir, "eval")] == [0, 6, 12]
 
 
-def test_ema_weights_are_evaluated_too(tiny_config) -> None:
-    result, trainer = fit(tiny_config(train={"ema_decay": 0.9}))
+def test_ema_weights_are_evaluated_too(sliced_config) -> None:
+    result, trainer = fit(sliced_config(train={"ema_decay": 0.9}))
     last = records(result.run_dir, "eval")[-1]
     assert trainer.ema is not None and math.isfinite(last["val_loss_ema"])
     assert last["val_loss_ema"] != last["val_loss"]
 
 
-def test_early_stopping_waits_for_warmup(tiny_config) -> None:
+def test_early_stopping_waits_for_warmup(sliced_config) -> None:
     early = {"patience": 1, "min_delta": 100.0}  # no evaluation can improve by 100
-    cfg = tiny_config(
+    cfg = sliced_config(
         train={"max_steps": 100, "warmup_steps": 20, "eval_every": 10, "early_stopping": early}
     )
     result, _ = fit(cfg)
@@ -136,7 +136,7 @@ def test_cli_run_prints_structured_lines_and_honours_set(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_settings(tmp_path / "runs", corpus_cache)))
+    cfg.write_text(yaml.safe_dump(sliced_settings(tmp_path / "runs", corpus_cache)))
     result = run_cli("run", str(cfg), "--set", "train.max_steps=10", "--set", "run.id=cli")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -153,7 +153,7 @@ def test_cli_run_prints_structured_lines_and_honours_set(
 
 def test_bench_prints_a_table_per_precision(tmp_path: Path, corpus_cache: Path) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_settings(tmp_path / "runs", corpus_cache)))
+    cfg.write_text(yaml.safe_dump(sliced_settings(tmp_path / "runs", corpus_cache)))
     result = run_cli("bench", str(cfg), "--steps", "3", "--warmup", "1", "--precision", "fp32,bf16")
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if "cpu" in line]
@@ -164,7 +164,7 @@ def test_bench_prints_a_table_per_precision(tmp_path: Path, corpus_cache: Path) 
 
 def test_torchrun_two_ranks_match_one_process(tmp_path: Path, corpus_cache: Path) -> None:
     """2 ranks x batch 4 see the same global batch as 1 process x batch 8."""
-    settings = tiny_settings(tmp_path / "runs", corpus_cache, train={"max_steps": 20})
+    settings = sliced_settings(tmp_path / "runs", corpus_cache, train={"max_steps": 20})
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(settings))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -195,7 +195,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path: Path, corpus_cache: Path
 
 def test_bench_overhead_prints_the_ratio(tmp_path: Path, corpus_cache: Path) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(tiny_settings(tmp_path / "runs", corpus_cache)))
+    cfg.write_text(yaml.safe_dump(sliced_settings(tmp_path / "runs", corpus_cache)))
     args = ("--overhead", "--rounds", "2", "--steps", "2", "--warmup", "1")
     result = run_cli("bench", str(cfg), *args)
     assert result.returncode == 0, result.stderr
