@@ -47,8 +47,9 @@ def test_statistics_match_a_count_of_the_ids(vocabulary: int) -> None:
         ids = rng.integers(0, vocabulary, size=size)
         ids[: size // 3] = ids[0]  # some repeats
         table = torch.zeros(slots(vocabulary), dtype=torch.int32)
-        got = token_statistics(torch.from_numpy(ids), table).tolist()
-        assert got == pytest.approx(counted(ids), rel=1e-12, abs=1e-12)
+        for dtype in (torch.int64, torch.int32):
+            got = token_statistics(torch.from_numpy(ids).to(dtype), table).tolist()
+            assert got == pytest.approx(counted(ids), rel=1e-12, abs=1e-12)
 
 
 def test_the_table_fits_the_vocabulary_and_larger_ids_share_slots() -> None:

@@ -56,7 +56,7 @@ def token_statistics(ids: torch.Tensor, counts: torch.Tensor | None = None) -> t
     flat = ids.detach().reshape(-1)
     if counts is None:
         counts = torch.empty(slots(None), dtype=torch.int32, device=flat.device)
-    slot = flat & (counts.numel() - 1)
+    slot = (flat & (counts.numel() - 1)).long()
     counts.zero_()
     counts.scatter_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
     tokens = flat.numel()
