@@ -58,7 +58,7 @@ def operate(run_dir: Path) -> dict[str, Any]:
 
         wait_for(lambda: step() >= 3, 60, "three steps")
         paused = seen["paused"] = ctl.request("pause")["step"]
-        seen["scrape"] = {k: v for url in info["metrics_urls"] for k, v in scrape(url).items()}
+        seen["scrape"] = wait_for(lambda: paused_scrape(info["metrics_urls"]), 60, "the pause")
         seen["saved"] = ctl.request("save")
         ctl.request("resume")
         wait_for(lambda: step() >= paused + 3, 60, "three more steps")
@@ -68,6 +68,14 @@ def operate(run_dir: Path) -> dict[str, Any]:
         wait_for(lambda: step() >= paused + 2, 60, "steps after the rollback")
         seen["stop"] = ctl.request("stop")
     return seen
+
+
+def paused_scrape(urls: list[str]) -> dict[Any, float] | None:
+    """Every rank's metrics, once every rank shows the pause (rank 0 answers the pause request;
+    another rank may publish its own pause a moment later); None before."""
+    samples = {k: v for url in urls for k, v in scrape(url).items()}
+    paused = [v for (name, _), v in samples.items() if name == "lossguard_paused"]
+    return samples if len(paused) == len(urls) and all(v == 1 for v in paused) else None
 
 
 def value(samples: dict[Any, float], run_id: str, name: str, rank: str) -> float:
