@@ -34,9 +34,11 @@ from tests.conftest import (
 def test_killed_training_and_supervisor_end_bitwise_identical(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    result = chaos(tmp_path, corpus_cache, steps=120, kills=2, seed=3)
+    # one SIGKILL of the training process, then (the new one running) one of the supervisor:
+    # the ten kills are tests/bench_supervisor.py's
+    result = chaos(tmp_path, corpus_cache, steps=120, kills=1, seed=3)
     assert result["status"] == 0
-    assert result["kills"] == 2 and result["restarts"] == 2
+    assert result["kills"] == 1 and result["restarts"] == 1
     assert result["supervisor_starts"] == 2  # one supervisor was SIGKILLed and replaced
     assert result["identical"]
 
