@@ -231,3 +231,12 @@ def stop_process(process: subprocess.Popen, timeout: float = 30) -> int:
             process.kill()
             process.wait()
     return int(process.returncode)
+
+
+def stop_processes(*processes: subprocess.Popen, timeout: float = 30) -> list[int]:
+    """:func:`stop_process` for each, all SIGTERMed first so that their shutdowns (an agent's
+    final save) overlap; their exit codes, in order."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    return [stop_process(process, timeout) for process in processes]

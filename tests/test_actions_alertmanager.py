@@ -26,7 +26,7 @@ from tests.conftest import (
     monitor_cli,
     start_agent,
     start_monitor,
-    stop_process,
+    stop_processes,
     wait_for,
     write_config,
     write_monitor_config,
@@ -217,5 +217,4 @@ def test_an_alert_through_prometheus_and_alertmanager_rolls_the_run_back_once(
         assert [r["to_step"] for r in rollbacks(run_dir)] == [50]
         assert agent.poll() is None, "the run trains on"
     finally:
-        assert stop_process(monitor) == 0
-        stop_process(agent)
+        assert stop_processes(monitor, agent)[0] == 0

@@ -30,7 +30,7 @@ from tests.conftest import (
     monitor_cli,
     start_agent,
     start_monitor,
-    stop_process,
+    stop_processes,
     tiny_settings,
     wait_for,
     write_config,
@@ -237,8 +237,7 @@ def test_recurring_divergence_gets_attempts_then_a_page_and_a_pause(
                 assert line in metrics, line
             assert agent.poll() is None  # paused, alive, its state kept for a human
         finally:
-            assert stop_process(monitor) == 0
-            stop_process(agent)
+            assert stop_processes(monitor, agent)[0] == 0
 
 
 def test_held_recorded_killed_and_resent_rollback_is_applied_once(
@@ -317,5 +316,4 @@ def test_held_recorded_killed_and_resent_rollback_is_applied_once(
         commands = [e for e in events(run_dir) if e.get("event") == "command"]
         assert [c["id"] for c in commands] == [held["id"]]
     finally:
-        assert stop_process(monitor) == 0
-        stop_process(agent)
+        assert stop_processes(monitor, agent)[0] == 0

@@ -31,7 +31,7 @@ from tests.conftest import (
     free_port,
     start_agent,
     start_monitor,
-    stop_process,
+    stop_processes,
     tiny_settings,
     wait_for,
     write_config,
@@ -212,6 +212,4 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
             assert not [k for k in theirs.fired if ("alertname", "LossguardAgentDown") in k]
         finally:
             theirs.close()
-            assert stop_process(monitor) == 0
-            for agent in agents.values():
-                stop_process(agent)
+            assert stop_processes(monitor, *agents.values())[0] == 0

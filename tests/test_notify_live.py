@@ -20,7 +20,7 @@ from tests.conftest import (
     monitor_cli,
     start_agent,
     start_monitor,
-    stop_process,
+    stop_processes,
     tiny_settings,
     wait_for,
     write_config,
@@ -166,8 +166,7 @@ def test_a_nan_pages_slack_and_pagerduty_then_resolves_in_both(
             ):
                 assert line in metrics, line
         finally:
-            assert stop_process(monitor) == 0
-            stop_process(agent)
+            assert stop_processes(monitor, agent)[0] == 0
         leaked = [slack.token, pager.routing_key]
         for path in [config.with_suffix(".log"), *tmp_path.glob("state.db*")]:
             content = path.read_bytes()

@@ -23,6 +23,7 @@ from tests.conftest import (
     start_monitor,
     step_records,
     stop_process,
+    stop_processes,
     supervisor_argv,
     tiny_settings,
     wait_for,
@@ -145,8 +146,7 @@ def test_a_hung_run_is_restarted_when_training_stalled_fires(
         info = SupervisorInfo.read(run_dir)
         assert info is not None and info.restarts == 1
     finally:
-        stop_process(supervisor)
-        stop_process(monitor)
+        stop_processes(supervisor, monitor)
     with sqlite3.connect(tmp_path / "state.db") as db:
         kind, state = db.execute("SELECT kind, state FROM actions").fetchone()
     assert (kind, state) == ("restart", "applied")
