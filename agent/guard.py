@@ -55,7 +55,7 @@ from lossguard.agent.startup import (
     start_telemetry,
 )
 from lossguard.agent.stop_signals import StopSignals, catching_from_the_start
-from lossguard.agent.telemetry.batch_tokens import BatchTokens
+from lossguard.agent.telemetry.batch_tokens import BatchTokens, vocabulary_of
 from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.interval import Interval
 from lossguard.agent.telemetry.log_interval import IntervalLog
@@ -174,7 +174,11 @@ class Guard:
             fp16_unscaled=self.config.precision.dtype == "fp16" and scaler is None,
             event=self.event,
             lr_watch=lr_watch(optimizer, scheduler, lambda: self.step + 1),
-            tokens=BatchTokens(self.device) if self.telemetry is not None else None,
+            tokens=(
+                BatchTokens(self.device, vocabulary=vocabulary_of(model))
+                if self.telemetry is not None
+                else None
+            ),
             group=self._group,
         )
         self._skips = UpdateSkips(

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from lossguard.agent.telemetry.batch_judge import MIN_HISTORY, judge
-from lossguard.agent.telemetry.batch_tokens import RING, BatchTokens, token_statistics
+from lossguard.agent.telemetry.batch_tokens import (
+    RING,
+    BatchTokens,
+    slots,
+    token_statistics,
+    vocabulary_of,
+)
 from lossguard.agent.telemetry.diagnosis import PrecisionHistory, diagnose
 
 from .conftest import count_host_reads
@@ -25,6 +31,36 @@ def test_statistics_are_exact() -> None:
     assert distinct == pytest.approx(0.75)
     padding = token_statistics(torch.zeros(ROWS, COLUMNS, dtype=torch.long)).tolist()
     assert padding == [0.0, 1 / (ROWS * COLUMNS)]
+
+
+def counted(ids: np.ndarray) -> list[float]:
+    """The statistics from a count of the ids (numpy's), the definitions written out."""
+    _, inverse, counts = np.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+    share = counts[inverse] / ids.size
+    return [float(-np.log2(share).mean()), len(counts) / ids.size]
+
+
+@pytest.mark.parametrize("vocabulary", [256, 50_257, 128_256])
+def test_statistics_match_a_count_of_the_ids(vocabulary: int) -> None:
+    rng = np.random.default_rng(vocabulary)
+    for size in (1, 7, 512, 12_288):
+        ids = rng.integers(0, vocabulary, size=size)
+        ids[: size // 3] = ids[0]  # some repeats
+        table = torch.zeros(slots(vocabulary), dtype=torch.int32)
+        for dtype in (torch.int64, torch.int32):
+            got = token_statistics(torch.from_numpy(ids).to(dtype), table).tolist()
+            assert got == pytest.approx(counted(ids), rel=1e-12, abs=1e-12)
+
+
+def test_the_table_fits_the_vocabulary_and_larger_ids_share_slots() -> None:
+    assert [slots(v) for v in (None, 256, 257, 50_257, 10**9)] == [2**17, 256, 512, 2**16, 2**20]
+    model = torch.nn.Sequential(torch.nn.Embedding(50_257, 4), torch.nn.Embedding(64, 4))
+    assert vocabulary_of(model) == 50_257 and vocabulary_of(torch.nn.Linear(2, 2)) is None
+    wide = np.array([5, 5 + 256, 9, 300])  # 5 and 261 share slot 5 of a 256-slot table
+    table = torch.zeros(256, dtype=torch.int32)
+    assert token_statistics(torch.from_numpy(wide), table).tolist() == pytest.approx(
+        counted(wide % 256)
+    )
 
 
 def zipf_batches(count: int, seed: int = 0) -> list[np.ndarray]:
