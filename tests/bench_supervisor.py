@@ -4,7 +4,8 @@
 
 * chaos: the tiny GPT trained ``--steps`` steps uninterrupted, then again under
   ``lossguard-supervise`` while the training process is SIGKILLed ``--kills`` times at random
-  moments (and the supervisor itself once, halfway, and started again). The final weights
+  steps (each past a checkpoint the new process saved, the kills spread over the steps left)
+  and the supervisor itself once, halfway, and started again. The final weights
   (sha256 of the model's tensors in the final checkpoint) must be bitwise identical; reports
   restarts, steps trained again, and the wall-time overhead against the uninterrupted run.
 * stalls: a supervised run hits the ``hang`` fault; a monitor with the shipped rules
@@ -44,6 +45,7 @@ from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
 from tests.bench_recovery import fired_at, records, shipped_monitor
 from tests.conftest import (
     events,
+    last_step,
     step_records,
     stop_process,
     supervisor_argv,
@@ -53,6 +55,7 @@ from tests.conftest import (
 )
 
 AGENT = [sys.executable, "-m", "lossguard.agent.cli", "run"]
+CHECKPOINT_EVERY = 25
 
 
 def weights_sha256(run_dir: Path) -> str:
@@ -84,6 +87,12 @@ def training_pid(run_dir: Path, after: int | None) -> int | None:
     return info.child_pid if pid_alive(info.child_pid) else None
 
 
+def newest_checkpoint(run_dir: Path) -> int:
+    """The step of the run's newest checkpoint (0: none yet)."""
+    saved = list_checkpoints(run_dir / CHECKPOINT_DIR)
+    return saved[-1].step if saved else 0
+
+
 def trained_since(run_dir: Path, since: float) -> bool:
     logged = last_logged(run_dir).time
     return logged is not None and logged > since
@@ -91,7 +100,7 @@ def trained_since(run_dir: Path, since: float) -> bool:
 
 def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[str, Any]:
     train = {"max_steps": steps, "log_every": 10, "eval_every": 10**6}
-    checkpoint = {"every": 25, "keep_last": 4}
+    checkpoint = {"every": CHECKPOINT_EVERY, "keep_last": 4}
     work.mkdir(parents=True, exist_ok=True)
     plain = tiny_settings(work / "runs", cache, run={"id": "plain"}, train=train)
     plain["checkpoint"] = checkpoint
@@ -115,8 +124,22 @@ def chaos(work: Path, cache: Path, steps: int, kills: int, seed: int) -> dict[st
         for kill in range(kills):
             pid = wait_for(lambda k=killed: training_pid(run_dir, k), 120, "a training process")
             seen = time.time()
-            wait_for(lambda t=seen: trained_since(run_dir, t), 120, "a step of the new process")
-            time.sleep(rng.uniform(0.0, plain_s / (2 * kills)))  # a random moment of training
+            begun = newest_checkpoint(run_dir)
+            low = begun + CHECKPOINT_EVERY + 2
+            if low >= steps:
+                break  # no checkpoint left to pass before the end
+            # spread over the steps left, for the kills left
+            high = begun + (steps - begun) // (kills - kill + 1)
+            target = rng.randint(low, max(low, high))
+            wait_for(
+                lambda t=seen, s=target, b=begun: (
+                    trained_since(run_dir, t)
+                    and last_step(run_dir) >= s
+                    and newest_checkpoint(run_dir) > b
+                ),
+                120,
+                f"step {target} and a checkpoint past step {begun}",
+            )
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

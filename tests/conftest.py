@@ -234,6 +234,15 @@ def stop_process(process: subprocess.Popen, timeout: float = 30) -> int:
     return int(process.returncode)
 
 
+def stop_processes(*processes: subprocess.Popen, timeout: float = 30) -> list[int]:
+    """:func:`stop_process` for each, all SIGTERMed first so that their shutdowns (an agent's
+    final save) overlap; their exit codes, in order."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    return [stop_process(process, timeout) for process in processes]
+
+
 def corpus_slice(cache: Path) -> Path:
     """``tiny_settings``' corpus slice as one file in ``cache`` (made once), byte for byte (less
     a character its cut split): with ``data.path`` set to it a run trains on the same tokens,

@@ -26,7 +26,7 @@ from tests.conftest import (
     monitor_cli,
     start_agent,
     start_monitor,
-    stop_process,
+    stop_processes,
     wait_for,
     write_config,
     write_monitor_config,
@@ -116,9 +116,7 @@ def test_an_alert_through_prometheus_and_alertmanager_rolls_the_run_back_once(
     # transient (gone on replay); checkpoints every 50 steps: the rollback goes to step 50,
     # if it comes before the checkpoint at step 100 (13.5 s after the NaN) ends the alert
     nan = {"kind": "nonfinite_loss", "step": 55, "once": True}
-    settings = agent_settings(runs, corpus_cache, "amrun", nan, step_s=0.3)
-    (throttle,) = [f for f in settings["faults"] if f["kind"] == "slow_step"]
-    throttle["step"] = 45  # full speed to there
+    settings = agent_settings(runs, corpus_cache, "amrun", nan, step_s=0.3, slow_from=45)
     agent = start_agent(write_config(tmp_path / "agent.yaml", settings))
     metrics_url = f"http://127.0.0.1:{settings['telemetry']['port']}/metrics"
     try:
@@ -219,5 +217,4 @@ def test_an_alert_through_prometheus_and_alertmanager_rolls_the_run_back_once(
         assert [r["to_step"] for r in rollbacks(run_dir)] == [50]
         assert agent.poll() is None, "the run trains on"
     finally:
-        assert stop_process(monitor) == 0
-        stop_process(agent)
+        assert stop_processes(monitor, agent)[0] == 0

@@ -30,7 +30,7 @@ from tests.conftest import (
     monitor_cli,
     start_agent,
     start_monitor,
-    stop_process,
+    stop_processes,
     tiny_settings,
     wait_for,
     write_config,
@@ -52,10 +52,16 @@ def shipped_rule(tmp_path: Path, name: str) -> Path:
 
 
 def agent_settings(
-    runs: Path, cache: Path, run_id: str, fault: dict[str, Any], step_s: float
+    runs: Path,
+    cache: Path,
+    run_id: str,
+    fault: dict[str, Any],
+    step_s: float,
+    slow_from: int = 1,
 ) -> dict[str, Any]:
-    """A run checkpointing every 50 steps, each step taking at least ``step_s``."""
-    throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": step_s}
+    """A run checkpointing every 50 steps, each step from ``slow_from`` on taking at least
+    ``step_s``."""
+    throttle = {"kind": "slow_step", "step": slow_from, "duration": 10**8, "seconds": step_s}
     return tiny_settings(
         runs,
         cache,
@@ -137,8 +143,8 @@ def test_recurring_divergence_gets_attempts_then_a_page_and_a_pause(
         monitor = start_monitor(config, env=secrets)
         # comes back on every replay; the 40 steps replayed give the monitor time to see the
         # rollback end the alert, so that the NaN's return is a new alert instance
-        nan = {"kind": "nonfinite_loss", "step": 190}
-        settings = agent_settings(runs, corpus_cache, "divrun", nan, step_s=0.1)
+        nan = {"kind": "nonfinite_loss", "step": 90}
+        settings = agent_settings(runs, corpus_cache, "divrun", nan, step_s=0.1, slow_from=45)
         agent = start_agent(write_config(tmp_path / "agent.yaml", settings))
         try:
             first, second = wait_for(
@@ -147,16 +153,16 @@ def test_recurring_divergence_gets_attempts_then_a_page_and_a_pause(
                 "two rollbacks",
             )
             for rollback, lr_scale in ((first, 1.0), (second, 0.5)):
-                # the in-memory snapshot of step 150 (beside the checkpoint of the same step)
-                assert rollback["to_step"] == 150
-                assert rollback["checkpoint"] == "memory/step_00000150"
-                assert rollback["from_step"] >= 190
+                # the in-memory snapshot of step 50 (beside the checkpoint of the same step)
+                assert rollback["to_step"] == 50
+                assert rollback["checkpoint"] == "memory/step_00000050"
+                assert rollback["from_step"] >= 90
                 assert rollback["lr_scale"] == lr_scale
-                assert rollback["abandoned"]["step"] == 190
+                assert rollback["abandoned"]["step"] == 90
                 assert rollback["abandoned"]["nonfinite"] is True
             # "abandoned": past every batch the abandoned timelines trained on, so none recurs
-            assert first["skipped_batches"] == first["from_step"] - 150
-            assert second["skipped_batches"] == first["skipped_batches"] + second["from_step"] - 150
+            assert first["skipped_batches"] == first["from_step"] - 50
+            assert second["skipped_batches"] == first["skipped_batches"] + second["from_step"] - 50
             pause = wait_for(
                 lambda: [
                     a for a in actions_in(db) if a["kind"] == "pause" and a["state"] != "pending"
@@ -198,10 +204,10 @@ def test_recurring_divergence_gets_attempts_then_a_page_and_a_pause(
                 30,
                 "the pause told",
             )
-            assert "Non-finite loss at step 190 of run divrun" in told
-            assert "rolled back from step" in told and "to step 150 (memory/step_00000150)" in told
+            assert "Non-finite loss at step 90 of run divrun" in told
+            assert "rolled back from step" in told and "to step 50 (memory/step_00000050)" in told
             assert "attempt 1 of 2" in told and "attempt 2 of 2" in told
-            assert "At step 190 the loss was not finite" in told
+            assert "At step 90 the loss was not finite" in told
             assert "paused training at step" in told and ": rollbacks exhausted (2 in 1h)" in told
             exhausted = [i for i in pager.incidents if "RollbacksExhausted" in i.summary]
             assert len(exhausted) == 1 and exhausted[0].open and exhausted[0].severity == "critical"
@@ -231,8 +237,7 @@ def test_recurring_divergence_gets_attempts_then_a_page_and_a_pause(
                 assert line in metrics, line
             assert agent.poll() is None  # paused, alive, its state kept for a human
         finally:
-            assert stop_process(monitor) == 0
-            stop_process(agent)
+            assert stop_processes(monitor, agent)[0] == 0
 
 
 def test_held_recorded_killed_and_resent_rollback_is_applied_once(
@@ -264,10 +269,10 @@ def test_held_recorded_killed_and_resent_rollback_is_applied_once(
     assert silenced.returncode == 0, silenced.stderr
     silence_id = silenced.stdout.strip()
     monitor = start_monitor(config)
-    # transient: gone on replay. Slow steps: the alert must still fire (no good checkpoint
-    # past the NaN, at step 100) when the test lets the held rollback go.
+    # transient: gone on replay. Slow steps from just before it: the alert must still fire (no
+    # good checkpoint past the NaN, at step 100) when the test lets the held rollback go.
     nan = {"kind": "nonfinite_loss", "step": 55, "once": True}
-    settings = agent_settings(runs, corpus_cache, "onerun", nan, step_s=0.2)
+    settings = agent_settings(runs, corpus_cache, "onerun", nan, step_s=0.2, slow_from=45)
     agent = start_agent(write_config(tmp_path / "agent.yaml", settings))
     socket_path = run_dir / "control.sock"
     away = run_dir / "control.sock.away"
@@ -305,11 +310,10 @@ def test_held_recorded_killed_and_resent_rollback_is_applied_once(
         )[0]
         assert again["result"]["from_step"] == applied["result"]["from_step"]
         step_then = last_step(run_dir)
-        wait_for(lambda: last_step(run_dir) >= step_then + 40, 120, "training past the bad step")
+        wait_for(lambda: last_step(run_dir) >= step_then + 20, 120, "training past the bad step")
         assert len(rollbacks(run_dir)) == 1  # applied once; the transient NaN did not recur
         assert [a["kind"] for a in actions_in(db)] == ["rollback"]
         commands = [e for e in events(run_dir) if e.get("event") == "command"]
         assert [c["id"] for c in commands] == [held["id"]]
     finally:
-        assert stop_process(monitor) == 0
-        stop_process(agent)
+        assert stop_processes(monitor, agent)[0] == 0

@@ -2,7 +2,8 @@
 server evaluating the very same rules file on the very same agents.
 
 One scenario, so its slow parts overlap: a NaN fault makes LossNonFinite fire and, once a healthy
-checkpoint is saved past the bad step, resolve (the monitor's actions are off: here it only
+checkpoint is saved past the bad step (asked for over the control socket, once the rest has been
+seen), resolve (the monitor's actions are off: here it only
 watches, as Prometheus does); a SIGKILLed agent is known dead (TrainingProcessDied, from the
 series the monitor exports on its /metrics, which Prometheus scrapes too), and
 LossguardAgentDown fires for it in neither; the monitor itself is SIGKILLed and restarted
@@ -22,13 +23,15 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from lossguard.common.control.client import ControlClient
+from lossguard.common.rundir.names import SOCKET_NAME
 from tests.conftest import (
     REPO,
     alert_events,
     free_port,
     start_agent,
     start_monitor,
-    stop_process,
+    stop_processes,
     tiny_settings,
     wait_for,
     write_config,
@@ -110,7 +113,7 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
     runs = tmp_path / "runs"
     throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.03}
     faults = {
-        "nan": [{"kind": "nonfinite_loss", "step": 150, "duration": 2}, throttle],
+        "nan": [{"kind": "nonfinite_loss", "step": 60, "duration": 2}, throttle],
         "victim": [throttle],
     }
     ports = {run_id: free_port() for run_id in faults}
@@ -141,10 +144,10 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
                 run={"id": run_id},
                 train={"max_steps": 10**7, "log_every": 5, "eval_every": 10**6},
                 telemetry={"port": ports[run_id]},
-                checkpoint={"every": 1000, "keep_last": 5},
-                # the healthy state that resolves LossNonFinite comes at step 1000, long enough
-                # after the NaN for the monitor's restart while the alert fires
-                snapshot={"every": 1000},
+                # no healthy state past the NaN until the test asks for one (below), after the
+                # monitor's restart while the alert fires
+                checkpoint={"every": 10**6, "keep_last": 5},
+                snapshot={"every": 10**6},
                 faults=run_faults,
             )
             agents[run_id] = start_agent(write_config(tmp_path / f"{run_id}.yaml", settings))
@@ -186,12 +189,15 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
             )
             wait_for(lambda: died_key in theirs.pending, 30, "Prometheus: the victim died")
 
-            # training healthy again: LossNonFinite resolves in both
+            # training healthy again, and a checkpoint saved: LossNonFinite resolves in both
+            with ControlClient(socket_path=runs / "nan" / SOCKET_NAME, timeout=60) as client:
+                saved = client.request("save")
+            assert saved["healthy"] and saved["step"] > 61
             resolved = wait_for(
                 lambda: monitor_times(db, "resolved", "LossNonFinite"), 200, "NaN resolved"
             )
-            # by a healthy state past the bad steps (the snapshot or checkpoint at step 1000)
-            assert last_good_step(ports["nan"]) >= 1000
+            # by the healthy checkpoint past the bad steps
+            assert last_good_step(ports["nan"]) >= saved["step"]
             wait_for(lambda: nan_key in theirs.ended, 30, "Prometheus resolving LossNonFinite")
             assert abs(theirs.ended[nan_key] - resolved[nan_key]) < AGREEMENT_S
             assert agents["nan"].poll() is None  # the NaN never stopped training
@@ -206,6 +212,4 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
             assert not [k for k in theirs.fired if ("alertname", "LossguardAgentDown") in k]
         finally:
             theirs.close()
-            assert stop_process(monitor) == 0
-            for agent in agents.values():
-                stop_process(agent)
+            assert stop_processes(monitor, *agents.values())[0] == 0

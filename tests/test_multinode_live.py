@@ -16,7 +16,7 @@ from tests.conftest import (
     REPO,
     events,
     start_monitor,
-    stop_process,
+    stop_processes,
     wait_for,
     write_monitor_config,
 )
@@ -77,8 +77,7 @@ def test_a_monitor_restart_of_a_hung_two_node_run_restarts_both(
             "the resumed run",
         )
     finally:
-        for process in (*nodes, monitor):
-            stop_process(process)
+        stop_processes(*nodes, monitor)
     assert restart["reason"] == "requested" and restart["resume_from"] == "step_00000020"
     assert node_1["resume_from"] == resumed["checkpoint"] == restart["resume_from"]
     assert not [e for e in events(run_dir) if e.get("event") == "crash"]

@@ -51,7 +51,7 @@ from .conftest import (
     free_port,
     start_agent,
     start_monitor,
-    stop_process,
+    stop_processes,
     supervisor_argv,
     tiny_settings,
     wait_for,
@@ -232,11 +232,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
                 "grad_diagnostics": {"enabled": True, "every": 5},
             },
             checkpoint={"every": 30, "keep_last": 10, "async_save": False},
-            # slower from step 50 (the last slow_step wins): the NaN's alert must reach the
-            # monitor before the next healthy checkpoint (step 90) ends it
+            # slower from just before the NaN (the last slow_step wins): its alert must reach
+            # the monitor before the next healthy checkpoint (step 90) ends it
             faults=[
                 {"kind": "nonfinite_loss", "step": NAN_STEP, "once": True},
-                {"kind": "slow_step", "step": 50, "duration": 10**8, "seconds": 0.7},
+                {"kind": "slow_step", "step": NAN_STEP - 2, "duration": 10**8, "seconds": 0.7},
             ],
         ),
         "fp16": agent_settings(
@@ -337,10 +337,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
                 yield Stack(prom, monitor_url, runs, started)
     finally:
         dcgm.close()
-        stop_process(monitor)
-        for agent in agents:
-            stop_process(agent)
-        stop_process(supervisor, timeout=60)
+        stop_processes(monitor, *agents, supervisor, timeout=60)
 
 
 # ---------------------------------------------------------------------------- the queries

@@ -23,6 +23,7 @@ from tests.conftest import (
     start_monitor,
     step_records,
     stop_process,
+    stop_processes,
     supervisor_argv,
     tiny_settings,
     wait_for,
@@ -34,9 +35,11 @@ from tests.conftest import (
 def test_killed_training_and_supervisor_end_bitwise_identical(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    result = chaos(tmp_path, corpus_cache, steps=120, kills=2, seed=3)
+    # one SIGKILL of the training process, then (the new one running) one of the supervisor:
+    # the ten kills are tests/bench_supervisor.py's
+    result = chaos(tmp_path, corpus_cache, steps=120, kills=1, seed=3)
     assert result["status"] == 0
-    assert result["kills"] == 2 and result["restarts"] == 2
+    assert result["kills"] == 1 and result["restarts"] == 1
     assert result["supervisor_starts"] == 2  # one supervisor was SIGKILLed and replaced
     assert result["identical"]
 
@@ -143,8 +146,7 @@ def test_a_hung_run_is_restarted_when_training_stalled_fires(
         info = SupervisorInfo.read(run_dir)
         assert info is not None and info.restarts == 1
     finally:
-        stop_process(supervisor)
-        stop_process(monitor)
+        stop_processes(supervisor, monitor)
     with sqlite3.connect(tmp_path / "state.db") as db:
         kind, state = db.execute("SELECT kind, state FROM actions").fetchone()
     assert (kind, state) == ("restart", "applied")
