@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -120,12 +121,27 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 
 
 def _run(args: argparse.Namespace, cfg: Config) -> int:
-    from lossguard.agent.recovery import RestoreError
-    from lossguard.agent.startup import CheckpointsExist
-    from lossguard.agent.train.trainer import Trainer
+    from lossguard.agent.start_plan import CheckpointsExist, check_start, run_path, start_plan
     from lossguard.common.config import ConfigError
 
     resume = _resume_target(args)
+    try:
+        if os.environ.get("WORLD_SIZE", "1") == "1":  # one process: refused before torch loads
+            start = start_plan(resume, args.skip_batches, args.overwrite)
+            check_start(run_path(cfg), start, afresh=True)
+        return _train(args, cfg, resume)
+    except CheckpointsExist as exc:
+        raise ConfigError(
+            f"run.id: run directory {exc.run_dir} already has checkpoints (newest: "
+            f"{exc.newest}): use --resume latest (or a checkpoint name) to continue the run, or "
+            "--overwrite to start over"
+        ) from None
+
+
+def _train(args: argparse.Namespace, cfg: Config, resume: Target | None) -> int:
+    from lossguard.agent.recovery import RestoreError
+    from lossguard.agent.train.trainer import Trainer
+
     try:
         trainer = Trainer(
             cfg,
@@ -134,12 +150,6 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
             skip_batches=args.skip_batches,
             overwrite=args.overwrite,
         )
-    except CheckpointsExist as exc:
-        raise ConfigError(
-            f"run.id: run directory {exc.run_dir} already has checkpoints (newest: "
-            f"{exc.newest}): use --resume latest (or a checkpoint name) to continue the run, or "
-            "--overwrite to start over"
-        ) from None
     except RestoreError as exc:
         print(f"lossguard-agent: error: cannot resume: {exc}", file=sys.stderr)
         return EXIT_PERMANENT

@@ -44,8 +44,8 @@ from lossguard.agent.recovery import (
     Stateful,
     TrainProgress,
 )
+from lossguard.agent.start_plan import StartPlan
 from lossguard.agent.startup import (
-    StartPlan,
     detector_states,
     on_main,
     open_run,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -24,111 +23,20 @@ from lossguard.agent.distributed import broadcast_objects
 from lossguard.agent.dtensors import is_sharded
 from lossguard.agent.heartbeat import Heartbeat
 from lossguard.agent.recovery import DETECTOR_STATE, Events, Recovery, Stateful, TrainProgress
+from lossguard.agent.start_plan import CheckpointsExist, StartPlan
 from lossguard.agent.telemetry.collector import Telemetry
 from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
-from lossguard.common.control.protocol import ErrorCode, Target, parse_target
+from lossguard.common.control.protocol import ErrorCode
 from lossguard.common.control.server import ControlServer, answered_before, socket_is_live
 from lossguard.common.rundir.checkpoints import CheckpointMeta, list_checkpoints
 from lossguard.common.rundir.directory import RunDirectory, package_versions, set_aside
 from lossguard.common.rundir.events import COMMAND
 from lossguard.common.rundir.names import CHECKPOINT_DIR, CONFIG_FILE, SOCKET_NAME
-from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
 log = logging.getLogger("lossguard.agent")
 T = TypeVar("T")
-
-RESUME_ARGUMENT = "argument"
-"""A resume's ``source`` when it came from the caller (``resume=``, ``--resume``)."""
-
-
-def resume_target(resume: Target | str | None) -> tuple[Target | None, str | None]:
-    """The checkpoint to resume from and where that came from: ``$LOSSGUARD_RESUME`` when set
-    and not empty (a supervisor's restart, which knows the good checkpoint), else ``resume``
-    (``RESUME_ARGUMENT``); (None, None) to start afresh. ValueError names a bad one."""
-    from_env = os.environ.get(RESUME_ENV, "")
-    value, source = (from_env, RESUME_ENV) if from_env else (resume, RESUME_ARGUMENT)
-    if value is None:
-        return None, None
-    try:
-        return parse_target(value), source
-    except ValueError as exc:
-        name = RESUME_ENV if source == RESUME_ENV else "resume"
-        raise ValueError(f"{name}: {exc}") from None
-
-
-class CheckpointsExist(FileExistsError):
-    """A run directory that already has checkpoints, and neither a resume nor an overwrite."""
-
-    def __init__(self, run_dir: Path, newest: str) -> None:
-        super().__init__(
-            f"{run_dir} already has checkpoints (newest: {newest}): pass resume='latest' "
-            "(or a checkpoint name) to continue the run, or overwrite=True to start over"
-        )
-        self.run_dir = run_dir
-        self.newest = newest
-
-    def __reduce__(self) -> tuple[Any, ...]:  # broadcast to every rank under torchrun
-        return type(self), (self.run_dir, self.newest)
-
-
-@dataclass(frozen=True)
-class StartPlan:
-    """How a Guard starts: from the checkpoint ``target`` (None: afresh), where that came
-    from (``source``), the batches to pass over after it, and whether to overwrite.
-
-    A run directory without checkpoints is started in (a run that crashed before its first
-    checkpoint starts again). One with checkpoints is refused (``CheckpointsExist``) unless
-    ``resume`` or ``overwrite`` says what to do:
-
-    - ``resume``: a target (``latest``, ``last_good``, ``best``, a step, a checkpoint name such
-      as ``step_00000150``) restored, on every rank, before the first step; then
-      ``skip_batches`` batches are passed over. ``$LOSSGUARD_RESUME``, set by the supervisor for
-      a restart, wins over ``resume``, ``skip_batches`` and ``overwrite``. A ``resumed`` event
-      records the target, where it came from and what was restored.
-    - ``overwrite=True``: start over from step 0. The previous run's checkpoints, metrics and
-      events, config and environment records are moved, not deleted, into
-      ``run_dir/overwritten-<time>/`` (an ``overwritten`` event says where); refused while
-      another agent serves the run directory's control socket.
-    """
-
-    target: Target | None
-    source: str | None
-    skip_batches: int
-    overwrite: bool
-
-    @classmethod
-    def of(cls, resume: Target | str | None, skip_batches: int, overwrite: bool) -> StartPlan:
-        """The plan for Guard's ``resume``, ``skip_batches`` and ``overwrite`` arguments and
-        ``$LOSSGUARD_RESUME``; ValueError names a bad one."""
-        target, source = resume_target(resume)
-        if source == RESUME_ENV:
-            skip_batches, overwrite = 0, False  # the supervisor's restart: its checkpoint as is
-        if target is not None and overwrite:
-            raise ValueError("resume and overwrite=True exclude each other")
-        if skip_batches < 0 or (skip_batches and target is None):
-            raise ValueError(
-                f"skip_batches: must be >= 0, and only with resume, not {skip_batches}"
-            )
-        return cls(target, source, skip_batches, overwrite)
-
-    def audit(self) -> dict[str, Any]:
-        """The ``resumed`` event's fields beside what was restored."""
-        return {
-            "target": self.target,
-            "source": str(self.source),
-            "skipped_batches": self.skip_batches,
-        }
-
-    def log_resumed(self, restored: dict[str, Any]) -> None:
-        log.info(
-            "resumed from %s at step %d (target %s from %s)",
-            restored["checkpoint"],
-            restored["step"],
-            self.target,
-            "$" + RESUME_ENV if self.source == RESUME_ENV else "the resume argument",
-        )
 
 
 def on_main(work: Callable[[], T], rank: int, group: Any) -> T:

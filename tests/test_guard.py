@@ -18,7 +18,7 @@ from lossguard.agent import Guard
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.config import Config, parse_config
 from lossguard.agent.recovery import RestoreError, weights_digest
-from lossguard.agent.startup import CheckpointsExist
+from lossguard.agent.start_plan import CheckpointsExist
 from lossguard.common.rundir.checkpoints import list_checkpoints
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
 from lossguard.common.rundir.targets import is_superseded

@@ -226,25 +226,37 @@ def test_a_stop_or_preempt_signal_saves_then_exits_with_its_code(
     assert json.loads((run_dir / "agent.json").read_text())["exit"] == outcome
 
 
+def refused_before_torch(*args: str, resume_env: str = "") -> subprocess.CompletedProcess[str]:
+    """``lossguard-agent ARGS`` (``$LOSSGUARD_RESUME``: ``resume_env``) with Python's import
+    log on: asserts it ended without importing torch; returns the run with the log taken out
+    of its stderr."""
+    done = run_cli(*args, PYTHONPROFILEIMPORTTIME="1", LOSSGUARD_RESUME=resume_env)
+    imports = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert imports and not [line for line in imports if line.endswith("| torch")], done.stderr
+    rest = "".join(line + "\n" for line in done.stderr.splitlines() if line not in imports)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout, rest)
+
+
 def test_resume_problems_are_reported(tmp_path: Path, corpus_cache: Path) -> None:
     settings = exact_settings(tmp_path, corpus_cache)
     settings["train"]["max_steps"] = 12
     config = write_config(tmp_path / "c.yaml", settings)
     run_dir = tmp_path / "runs/tiny"
 
-    missing = run_cli("run", str(config), "--resume", "latest")
+    # what one process can tell from its arguments and run directory, it says before torch loads
+    missing = refused_before_torch("run", str(config), "--resume", "latest")
     assert missing.returncode == 2 and "no run directory" in missing.stderr
-    assert run_cli("run", str(config), "--resume", "../x").returncode == 2
+    assert refused_before_torch("run", str(config), "--resume", "../x").returncode == 2
 
     assert run_cli("run", str(config)).returncode == 0  # checkpoints at 5, 10 and final 12
-    again = run_cli("run", str(config))
+    again = refused_before_torch("run", str(config))
     assert again.returncode == 2 and again.stderr.count("\n") == 1
     assert again.stderr.startswith(
         f"lossguard-agent: error: run.id: run directory {run_dir} already has checkpoints "
         "(newest: step_00000012): use --resume latest"
     )
     assert "--overwrite to start over" in again.stderr
-    both = run_cli("run", str(config), "--resume", "latest", "--overwrite")
+    both = refused_before_torch("run", str(config), "--resume", "latest", "--overwrite")
     assert both.returncode == 2 and "--overwrite: not with --resume" in both.stderr
     finished = json.loads((run_dir / "agent.json").read_text())
     assert finished["exit"] == "completed" and finished["finished_at"] > finished["started_at"]
@@ -259,7 +271,7 @@ def test_resume_problems_are_reported(tmp_path: Path, corpus_cache: Path) -> Non
 
     none = run_cli("run", str(config), "--resume", "7")
     assert none.returncode == 1 and "cannot resume" in none.stderr
-    bad_env = run_cli("run", str(config), LOSSGUARD_RESUME="/tmp/step_00000010")
+    bad_env = refused_before_torch("run", str(config), resume_env="/tmp/step_00000010")
     assert bad_env.returncode == 2 and "LOSSGUARD_RESUME: must be one of" in bad_env.stderr
 
 

@@ -33,17 +33,14 @@ from lossguard.agent.precision import (
     make_grad_scaler,
     precompute_fp8_scales,
 )
-from lossguard.agent.startup import resume_target
+from lossguard.agent.start_plan import check_start, run_path, start_plan
 from lossguard.agent.train.corpus import Batch, BatchSampler, load_data
 from lossguard.agent.train.faults import FaultInjector
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.optim import WeightEma, build_optimizer, build_scheduler
 from lossguard.agent.train.sharding import device_mesh, gradient_sync, shard_gpt
-from lossguard.common.config import ConfigError
 from lossguard.common.control.protocol import Target
-from lossguard.common.control.server import socket_is_live
-from lossguard.common.rundir.names import CONFIG_FILE, SOCKET_NAME
 
 log = logging.getLogger("lossguard.agent")
 
@@ -108,25 +105,14 @@ class Trainer:
     ) -> None:
         """``resume``, ``skip_batches`` and ``overwrite`` are Guard's (``$LOSSGUARD_RESUME``
         wins); a run directory with checkpoints needs one of them (``CheckpointsExist``)."""
-        try:
-            resuming = resume_target(resume)[0] is not None
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if resuming and cfg.run.id is None:
-            raise ConfigError("run.id: required to resume (the run directory is <run.dir>/<id>)")
+        start = start_plan(resume, skip_batches, overwrite)
+        check_start(run_path(cfg), start, afresh=False)  # rank 0's Guard checks a start afresh
         self.dist = setup_distributed(cfg.run.device, always=cfg.distributed.sharded)
         self.device = self.dist.device
         cfg = cfg.model_copy(deep=True)
         cfg.run.id = broadcast_from_main(cfg.run.id or new_run_id())
         self.cfg = cfg
         self.run_path = cfg.run.dir / str(cfg.run.id)
-        if resuming and not (self.run_path / CONFIG_FILE).exists():
-            raise ConfigError(f"run.id: no run directory {self.run_path} to resume")
-        if resuming and socket_is_live(self.run_path / SOCKET_NAME):
-            raise ConfigError(
-                f"run.id: {self.run_path} is still running (its control socket answers); "
-                "stop it before resuming"
-            )
         seed_everything(cfg.run.seed)
 
         cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"
