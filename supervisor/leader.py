@@ -80,12 +80,30 @@ class Leader:
         return None
 
     def end_all(
-        self, generation: int, timeout_s: float, wait: Callable[[float], bool]
+        self,
+        generation: int,
+        timeout_s: float,
+        wait: Callable[[float], bool],
+        *,
+        grace_s: float = 0.0,
     ) -> dict[int, NodeReport | None]:
-        """Tell every follower to end its group of ``generation`` and wait until each has
-        reported how it ended. Their reports by node (None: silent past ``timeout_s``, which
-        counts as a crash)."""
-        self.publish("end", generation=generation)
+        """End every follower's group of ``generation`` and wait until each has reported how
+        it ended. Their reports by node (None: silent past ``timeout_s``, which counts as a
+        crash). ``grace_s``: first give the followers that long to end on their own (node 0's
+        group ended the run, so theirs are ending too: told to end now, one still exiting
+        would be cut short and counted as a crash)."""
+        ended = self._ended(generation, grace_s, wait)
+        if len(ended) < self.nnodes - 1:
+            self.publish("end", generation=generation)
+            ended = self._ended(generation, timeout_s, wait)
+        silent = {n: None for n in range(1, self.nnodes) if n not in ended}
+        return {**ended, **silent}
+
+    def _ended(
+        self, generation: int, timeout_s: float, wait: Callable[[float], bool]
+    ) -> dict[int, NodeReport]:
+        """The followers' reports of how their group of ``generation`` ended, once all have
+        one or after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             ended = {
@@ -94,7 +112,6 @@ class Leader:
                 if report.generation == generation and report.status is not None
             }
             if len(ended) == self.nnodes - 1 or time.monotonic() >= deadline:
-                silent = {n: None for n in range(1, self.nnodes) if n not in ended}
-                return {**ended, **silent}
+                return ended
             wait(0.1)
             self.beat()

@@ -62,6 +62,10 @@ from lossguard.supervisor.tree import become_subreaper, end_orphans
 
 log = logging.getLogger("lossguard.supervisor")
 POLL_S = 0.2
+END_GRACE_S = 15.0
+"""When node 0's group ended the run (completed, stopped, preempted): how long the other
+nodes' groups get to end on their own before they are told to end (torchrun's exit barrier
+lets node 0's end only after every node's workers are done, so theirs end moments later)."""
 
 
 class SupervisorError(RuntimeError):
@@ -192,7 +196,8 @@ class Supervisor:
         if self.leader is None:
             return own, None
         timeout = self.options.kill_after_s + 60
-        others = self.leader.end_all(self.generation, timeout, self._idle)
+        grace = END_GRACE_S if own is not None else 0.0  # ours ended the run: theirs are ending
+        others = self.leader.end_all(self.generation, timeout, self._idle, grace_s=grace)
         codes = {n: r.code if r is not None else None for n, r in others.items()}
         if node is None:  # our group ended first, or we saw it first: who crashed first?
             crashed = [(r.ended_at or 0.0, n) for n, r in others.items() if r and r.code is None]
