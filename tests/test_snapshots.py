@@ -99,7 +99,8 @@ def test_last_good_is_the_newest_healthy_state_in_memory_or_on_disk(tmp_path: Pa
         train(guard, model, opt, 12)
         assert guard.commands._checkpoints({}, print)["last_good"] == "memory/step_00000010"
         train(guard, model, opt, 20, nan_at=14)  # later snapshots and checkpoints: unhealthy
-        assert guard.recovery.snapshots is not None
+        assert guard.checkpoints is not None and guard.recovery.snapshots is not None
+        guard.checkpoints.wait()  # step 20's is written in the background: published once done
         kept = [(m.name, m.healthy) for m in guard.recovery.snapshots.list()]
         assert kept == [
             ("memory/step_00000010", True),
