@@ -25,6 +25,5 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-# two workers: most tests wait on real processes and servers, so two overlap well on 2 cores;
-# loadgroup: the tests that share a module's run or servers (xdist_group marks) go to one worker
-.venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
+# two workers: most tests wait on real processes and servers, so two overlap well on 2 cores
+.venv/bin/python -m pytest -n 2 "$@"

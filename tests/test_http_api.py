@@ -33,9 +33,6 @@ from tests.conftest import (
 )
 from tests.promserver import ExpositionServer
 
-# one worker starts the module's servers once
-pytestmark = pytest.mark.xdist_group("http_api_stack")
-
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "api-t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

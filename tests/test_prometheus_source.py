@@ -15,9 +15,6 @@ from lossguard.monitor.sources.prometheus import PrometheusSource
 from .conftest import wait_for
 from .promserver import ExpositionServer, PromServer, exposition_server, free_port, prometheus
 
-# one worker starts the module's servers once
-pytestmark = pytest.mark.xdist_group("prometheus_server")
-
 EXPOSITION = """\
 # TYPE lossguard_step gauge
 lossguard_step{run_id="r1",rank="0"} 7

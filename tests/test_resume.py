@@ -117,7 +117,6 @@ def copy_whole(whole_run: Path, tmp_path: Path, corpus_cache: Path) -> Path:
     return write_config(tmp_path / "c.yaml", exact_settings(tmp_path, corpus_cache))
 
 
-@pytest.mark.xdist_group("whole_run")  # one worker runs the module's whole_run once
 def test_rollback_is_bit_exact(tmp_path: Path, corpus_cache: Path, whole_run: Path) -> None:
     config = copy_whole(whole_run, tmp_path, corpus_cache)
     runs = tmp_path / "runs"
@@ -145,7 +144,6 @@ def test_rollback_is_bit_exact(tmp_path: Path, corpus_cache: Path, whole_run: Pa
     assert all(after[s] != whole[s] for s in after)  # the skip really changed the data
 
 
-@pytest.mark.xdist_group("whole_run")  # one worker runs the module's whole_run once
 def test_rollback_lr_scale_is_kept(tmp_path: Path, corpus_cache: Path, whole_run: Path) -> None:
     config = copy_whole(whole_run, tmp_path, corpus_cache)
     runs = tmp_path / "runs"

@@ -115,7 +115,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> P
     return root / "runs/tiny"
 
 
-@pytest.mark.xdist_group("reference")  # one worker runs the module's reference once
 def test_fsdp2_trains_and_writes_dcp_checkpoints_that_readers_list_unchanged(
     reference: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -151,7 +150,6 @@ def test_fsdp2_trains_and_writes_dcp_checkpoints_that_readers_list_unchanged(
 @pytest.mark.parametrize(
     "distributed", [{}, {"strategy": "hsdp", "replicate": 1}], ids=["fsdp2", "hsdp-1x2"]
 )
-@pytest.mark.xdist_group("reference")  # one worker runs the module's reference once
 def test_a_killed_rank_resumes_to_the_same_losses_and_weights(
     tmp_path: Path, corpus_cache: Path, reference: Path, distributed: dict[str, Any]
 ) -> None:
@@ -170,7 +168,6 @@ def test_a_killed_rank_resumes_to_the_same_losses_and_weights(
     )
 
 
-@pytest.mark.xdist_group("reference")  # one worker runs the module's reference once
 def test_a_checkpoint_of_two_ranks_resumes_on_one_and_trains_on(
     tmp_path: Path, corpus_cache: Path, reference: Path
 ) -> None:
