@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from lossguard.common.config import ConfigError
 from lossguard.common.control.protocol import Target, parse_target
 from lossguard.common.control.server import socket_is_live
-from lossguard.common.rundir.checkpoints import list_checkpoints
+from lossguard.common.rundir.checkpoints import CheckpointMeta, list_checkpoints
 from lossguard.common.rundir.names import CHECKPOINT_DIR, CONFIG_FILE, SOCKET_NAME
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
@@ -114,16 +114,25 @@ class StartPlan:
         )
 
 
+def checkpoints_to_start_over(path: Path, start: StartPlan) -> list[CheckpointMeta]:
+    """The checkpoints in run directory ``path`` that ``start`` would start over (none when it
+    resumes); ``CheckpointsExist`` when there are some and it does not overwrite."""
+    if start.target is not None:
+        return []
+    existing = list_checkpoints(path / CHECKPOINT_DIR)
+    if existing and not start.overwrite:
+        raise CheckpointsExist(path, existing[-1].name)
+    return existing
+
+
 def check_start(run_path: Path | None, start: StartPlan, *, afresh: bool) -> None:
     """The checks of a start in run directory ``run_path`` (None: a new run id, a new
     directory) that need no torch: a resume needs the directory, not running; ``afresh``
     (also check what only rank 0 checks under torchrun): a start afresh over checkpoints is
     refused (``CheckpointsExist``) unless it overwrites. ConfigError names a problem."""
     if start.target is None:
-        if run_path is not None and afresh and not start.overwrite:
-            existing = list_checkpoints(run_path / CHECKPOINT_DIR)
-            if existing:
-                raise CheckpointsExist(run_path, existing[-1].name)
+        if run_path is not None and afresh:
+            checkpoints_to_start_over(run_path, start)
         return
     if run_path is None:
         raise ConfigError("run.id: required to resume (the run directory is <run.dir>/<id>)")

@@ -23,14 +23,14 @@ from lossguard.agent.distributed import broadcast_objects
 from lossguard.agent.dtensors import is_sharded
 from lossguard.agent.heartbeat import Heartbeat
 from lossguard.agent.recovery import DETECTOR_STATE, Events, Recovery, Stateful, TrainProgress
-from lossguard.agent.start_plan import CheckpointsExist, StartPlan
+from lossguard.agent.start_plan import StartPlan, checkpoints_to_start_over
 from lossguard.agent.telemetry.collector import Telemetry
 from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
 from lossguard.common.control.protocol import ErrorCode
 from lossguard.common.control.server import ControlServer, answered_before, socket_is_live
-from lossguard.common.rundir.checkpoints import CheckpointMeta, list_checkpoints
+from lossguard.common.rundir.checkpoints import CheckpointMeta
 from lossguard.common.rundir.directory import RunDirectory, package_versions, set_aside
 from lossguard.common.rundir.events import COMMAND
 from lossguard.common.rundir.names import CHECKPOINT_DIR, CONFIG_FILE, SOCKET_NAME
@@ -56,11 +56,9 @@ def on_main(work: Callable[[], T], rank: int, group: Any) -> T:
 def start_over_check(path: Path, start: StartPlan) -> tuple[Path, list[str]] | None:
     """Before anything is written: refuse to start afresh over checkpoints, or move the
     previous run aside (``overwrite``); returns where to and which checkpoints."""
-    existing = list_checkpoints(path / CHECKPOINT_DIR)
-    if start.target is not None or not existing:
+    existing = checkpoints_to_start_over(path, start)
+    if not existing:
         return None
-    if not start.overwrite:
-        raise CheckpointsExist(path, existing[-1].name)
     if socket_is_live(path / SOCKET_NAME):
         raise FileExistsError(
             f"{path} is still running (its control socket answers): not overwriting it"

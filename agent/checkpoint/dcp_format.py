@@ -141,7 +141,7 @@ class DcpCheckpoints:
         fields = {**fields, "extra": {**fields["extra"], WORLD_SIZE: self.world_size}}
         self._delay_s = self.store.write_delay_s if self.store is not None else 0.0
         if wait:
-            self._write_now(tmp, fields, on_done)
+            self._write_now(tmp, fields, on_done, self.sharded.state_dict())
             return
         # staged now (the next step changes the weights), written in the background
         staged = self.stager.stage(self.sharded.state_dict())
@@ -162,12 +162,11 @@ class DcpCheckpoints:
         tmp: Path,
         fields: dict[str, Any],
         on_done: OnDone | None,
-        staged: dict[str, Any] | None = None,
+        state: dict[str, Any],
     ) -> None:
-        """Write this rank's shards (``staged``, else the live state) with the collective
+        """Write this rank's shards (``state``: live or staged) with the collective
         ``dcp.save``; rank 0 then publishes (DCP's finish on rank 0 follows every rank's write)."""
         error: Exception | None = None
-        state = staged if staged is not None else self.sharded.state_dict()
         try:
             dcp.save(state, checkpoint_id=tmp, storage_writer=self.writer, process_group=self.group)
         except Exception as exc:  # rank 0 reports it; a failed save must not stop training
