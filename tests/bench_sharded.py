@@ -7,7 +7,12 @@ when it ran, in part, between the save's start (the step boundary it was taken a
 staging blocks the step after it) and the save's publication. Prints the mean step time of the
 steps that overlap a save, of those that do not, and their ratio.
 
-    .venv/bin/python -m tests.bench_sharded [--steps 80] [--every 10] [--keep DIR]
+Also prints the time a save costs the loop in all (``lost_s_per_save``: the overlapping steps'
+time beyond the mean of the others), which does not depend on how many steps a save spans.
+``--batch-size`` sets the sequences a step (64 tokens each): the ratio falls as a step's work
+grows against the checkpoint's size.
+
+    .venv/bin/python -m tests.bench_sharded [--steps 80] [--every 10] [--batch-size 8] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -26,13 +31,13 @@ from tests.conftest import REPO, events, json_lines, tiny_settings, write_config
 WARMUP_STEPS = 5
 
 
-def settings(root: Path, steps: int, every: int) -> dict[str, Any]:
+def settings(root: Path, steps: int, every: int, batch_size: int) -> dict[str, Any]:
     """A ~10M-parameter GPT: a save (~120 MB with AdamW state) spans a few steps on CPU."""
     return tiny_settings(
         root / "runs",
         root / "cache",
         model={"n_layer": 4, "n_head": 4, "n_embd": 384, "block_size": 64},
-        train={"max_steps": steps, "batch_size": 8, "log_every": 1, "eval_every": 10**6},
+        train={"max_steps": steps, "batch_size": batch_size, "log_every": 1, "eval_every": 10**6},
         checkpoint={"every": every, "keep_last": 2, "save_on_exit": False},
         distributed={"strategy": "fsdp2"},
     )
@@ -60,6 +65,7 @@ def overlap_ratio(run_dir: Path) -> dict[str, float]:
         "step_s_during": mean_during,
         "step_s_outside": mean_outside,
         "ratio": mean_during / mean_outside,
+        "lost_s_per_save": sum(t - mean_outside for t in during) / len(saves),
     }
 
 
@@ -67,11 +73,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--keep", type=Path, help="run in this folder and keep it")
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-sharded-"))
     root.mkdir(parents=True, exist_ok=True)
-    config = write_config(root / "c.yaml", settings(root, args.steps, args.every))
+    config = write_config(root / "c.yaml", settings(root, args.steps, args.every, args.batch_size))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc_per_node=2", "-m", "lossguard.agent.cli", "run", str(config)]
     subprocess.run(

@@ -145,6 +145,16 @@ def test_default_corpus_is_the_stdlib_sources() -> None:
     assert files == sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
+def test_text_files_match_every_pattern_in_path_order_and_skip_package_folders(
+    tmp_path: Path,
+) -> None:
+    for name in ["b.py", "a/z.txt", "a/b/c.py", "a/notes.md", "site-packages/x.py", ".git/y.py"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    files = text_files(tmp_path, ["*.py", "*.txt"])
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["a/b/c.py", "a/z.txt", "b.py"]
+
+
 def test_nanogpt_token_files_are_memory_mapped(tmp_path: Path) -> None:
     tokens = np.random.default_rng(0).integers(0, 50257, size=3000).astype(np.uint16)
     tokens[:2000].tofile(tmp_path / "train.bin")

@@ -20,9 +20,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from lossguard.agent.checkpoint.dcp_format import owner
 from lossguard.agent.config import parse_config
 from lossguard.common.config import ConfigError
 from lossguard.common.rundir.checkpoints import CheckpointError, read_meta
+from lossguard.common.rundir.files import sha256_file
 from tests.conftest import (
     REPO,
     events,
@@ -138,6 +140,9 @@ def test_fsdp2_trains_and_writes_dcp_checkpoints_that_readers_list_unchanged(
         "rank_0.pt",
         "rank_1.pt",
     }
+    # each rank hashed the files it wrote; rank 0 published them all
+    folder = reference / f"checkpoints/step_{STEPS:08d}"
+    assert meta.files == {name: sha256_file(folder / name) for name in meta.files}
     # the torch-free reader: lossguard-ctl from disk, no agent answering
     listed = run_cli(
         "--run-dir", str(reference), "--json", "checkpoints", module="lossguard.agent.control.ctl"
@@ -209,6 +214,15 @@ def test_spam_trains_sharded_and_its_state_is_in_the_dcp_checkpoint(
         assert values["exp_avg_sq"].abs().sum() > 0
     last = [r for r in json_lines(runs / "tiny/metrics.jsonl") if r["kind"] == "train"][-1]
     assert last["optimizer_momentum_resets"] == 2 and last["optimizer_clipped_entries"] > 0
+
+
+def test_each_file_is_hashed_by_the_rank_that_wrote_it_and_any_other_by_rank_0() -> None:
+    written = {"rank_1.pt": 1, "__1_0.distcp": 1, "__3_2.distcp": 3, "rank_0.pt": 0}
+    others = {".metadata": 0, "rank_9.pt": 0, "__12_0.distcp": 0, "rank_x.pt": 0, "notes": 0}
+    assert {name: owner(name, world_size=4) for name in {**written, **others}} == {
+        **written,
+        **others,
+    }
 
 
 def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, corpus_cache: Path) -> None:

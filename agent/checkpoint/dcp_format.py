@@ -6,7 +6,8 @@ and optimizer (``.metadata`` and one ``__K_0.distcp`` per rank; FQN-keyed state 
 other state (the registered non-sharded state dicts, its RNG states). The contract for readers
 is the ``torch`` format's: the folder becomes visible only when complete on every rank. Rank 0
 makes the hidden temporary folder, every rank writes into it, and once DCP's collective finish
-(which follows every rank's write) is done rank 0 hashes every file, writes ``meta.json``
+(which follows every rank's write) is done every rank hashes the files it wrote (``owner``;
+rank 0 also DCP's ``.metadata``), rank 0 gathers the digests, writes ``meta.json``
 (``format: dcp``, ``extra.world_size``) and renames the folder into place
 (``CheckpointStore.commit``). A rank killed mid-save leaves only the hidden folder, which the
 next store removes.
@@ -21,6 +22,7 @@ flight; training is blocked only for the staging.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import threading
 import time
@@ -39,7 +41,7 @@ from lossguard.agent.checkpoint.background import start_writer
 from lossguard.agent.checkpoint.snapshots import restore_into
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
 from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta
-from lossguard.common.rundir.files import write_synced
+from lossguard.common.rundir.files import sha256_file, write_synced
 
 log = logging.getLogger("lossguard.agent.checkpoint")
 
@@ -51,6 +53,22 @@ WORLD_SIZE = "world_size"
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank}.pt"
+
+
+_RANK_WRITTEN = re.compile(r"rank_(\d+)\.pt|__(\d+)_\d+\.distcp")
+"""The files rank K writes: ``rank_K.pt`` and DCP's data files (``__K_N.distcp``)."""
+
+
+def owner(file_name: str, world_size: int) -> int:
+    """The rank that hashes ``file_name`` of a ``dcp`` checkpoint: the rank that wrote it (it
+    is in that rank's page cache, and on its node), rank 0 for any other file."""
+    written = _RANK_WRITTEN.fullmatch(file_name)
+    rank = int(next(g for g in written.groups() if g is not None)) if written else 0
+    return rank if rank < world_size else 0
+
+
+Digests = dict[str, str]
+"""sha256 of checkpoint files, by file name."""
 
 
 class ShardedState:
@@ -166,19 +184,47 @@ class DcpCheckpoints:
     ) -> None:
         """Write this rank's shards (``state``: live or staged) with the collective
         ``dcp.save``; rank 0 then publishes (DCP's finish on rank 0 follows every rank's write)."""
-        error: Exception | None = None
+        written: Digests | Exception
         try:
             dcp.save(state, checkpoint_id=tmp, storage_writer=self.writer, process_group=self.group)
+            written = self._hash_own_files(tmp)
         except Exception as exc:  # rank 0 reports it; a failed save must not stop training
-            error = exc
+            written = exc
             if self.store is None:
                 log.warning("rank %d: checkpoint write failed: %r", self.rank, exc, exc_info=exc)
+        try:
+            digests = self._gather(written)
+        except Exception as exc:  # the save's group failed: no rank can publish
+            digests = exc
         if self.store is not None:
-            self._finish(error, tmp, fields, on_done)
+            self._finish(digests, tmp, fields, on_done)
+
+    def _hash_own_files(self, tmp: Path) -> Digests:
+        """sha256 of the complete checkpoint's files this rank hashes (``owner``)."""
+        return {
+            path.name: sha256_file(path)
+            for path in sorted(tmp.iterdir())
+            if path.is_file() and owner(path.name, self.world_size) == self.rank
+        }
+
+    def _gather(self, written: Digests | Exception) -> Digests | Exception:
+        """Collective on the save's group: rank 0 gets every rank's digests merged, or the
+        first rank's error (other ranks get their own result back)."""
+        parts: list[Digests | str | None] = [None] * self.world_size
+        mine = written if isinstance(written, dict) else repr(written)
+        dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.group)
+        if self.rank != 0:
+            return written
+        merged: Digests = {}
+        for rank, part in enumerate(parts):
+            if not isinstance(part, dict):
+                return RuntimeError(f"rank {rank}: {part}")
+            merged.update(part)
+        return merged
 
     def _finish(
         self,
-        error: Exception | None,
+        digests: Digests | Exception,
         tmp: Path,
         fields: dict[str, Any],
         on_done: OnDone | None,
@@ -186,13 +232,13 @@ class DcpCheckpoints:
         """Rank 0: publish the written checkpoint, or drop it; report either to ``on_done``."""
         assert self.store is not None
         result: CheckpointMeta | BaseException
-        if error is not None:
+        if isinstance(digests, Exception):
             shutil.rmtree(tmp, ignore_errors=True)
-            result = RuntimeError(f"checkpoint {fields['name']}: write failed ({error!r})")
+            result = RuntimeError(f"checkpoint {fields['name']}: write failed ({digests!r})")
         else:
             time.sleep(self._delay_s)  # the slow_save fault drill (as at save time); 0 otherwise
             try:
-                result = self.store.commit(tmp, fields, DCP_FORMAT)
+                result = self.store.commit(tmp, fields, DCP_FORMAT, digests=digests)
             except Exception as exc:
                 result = exc
         if on_done is not None:

@@ -354,18 +354,29 @@ class CheckpointStore:
         return tmp
 
     def commit(
-        self, tmp: Path, fields: dict[str, Any], checkpoint_format: str = TORCH_FORMAT
+        self,
+        tmp: Path,
+        fields: dict[str, Any],
+        checkpoint_format: str = TORCH_FORMAT,
+        *,
+        digests: dict[str, str] | None = None,
     ) -> CheckpointMeta:
-        """Publish the complete files in ``tmp`` as a checkpoint: hash every file, write
-        ``meta.json``, fsync, rename into place, fsync the root; then apply retention. On
-        failure ``tmp`` is removed and CheckpointError names the checkpoint."""
+        """Publish the complete files in ``tmp`` as a checkpoint: hash every file (but those
+        ``digests`` already has, hashed by the ranks that wrote them), write ``meta.json``,
+        fsync, rename into place, fsync the root; then apply retention. On failure ``tmp`` is
+        removed and CheckpointError names the checkpoint."""
         name = fields["name"]
         with self._lock:
             self._seq += 1
             seq = self._seq
         created_at = time.time()
         try:
-            files = {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+            known = digests or {}
+            files = {
+                f.name: known.get(f.name) or sha256_file(f)
+                for f in sorted(tmp.iterdir())
+                if f.is_file()
+            }
             meta = CheckpointMeta(
                 seq=seq,
                 created_at=created_at,

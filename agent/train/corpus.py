@@ -14,7 +14,7 @@ import sysconfig
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -51,16 +51,19 @@ def stdlib_source_dir() -> Path:
 
 
 def text_files(root: Path, include: list[str]) -> list[Path]:
-    """The files of a text corpus in a stable order: ``root`` itself, or matches under it."""
+    """The files of a text corpus in a stable order: ``root`` itself, or matches under it
+    (``SKIPPED_DIRS`` are not entered)."""
     if root.is_file():
         return [root]
-    found = {
-        path
-        for pattern in include
-        for path in root.rglob(pattern)
-        if path.is_file() and not SKIPPED_DIRS.intersection(path.relative_to(root).parts)
-    }
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+    found: list[tuple[str, Path]] = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
+        for name in names:
+            path = Path(folder, name)
+            relative = PurePosixPath(path.relative_to(root).as_posix())
+            if any(relative.match(pattern) for pattern in include) and path.is_file():
+                found.append((relative.as_posix(), path))
+    return [path for _, path in sorted(found)]
 
 
 def _corpus_key(root: Path, files: list[Path], cfg: DataConfig) -> str:
