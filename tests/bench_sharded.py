@@ -32,7 +32,8 @@ WARMUP_STEPS = 5
 
 
 def settings(root: Path, steps: int, every: int, batch_size: int) -> dict[str, Any]:
-    """A ~10M-parameter GPT: a save (~120 MB with AdamW state) spans a few steps on CPU."""
+    """A 7.2M-parameter GPT: a save (2 x ~45 MB: weights and AdamW moments) spans a few steps
+    on CPU at the default batch."""
     return tiny_settings(
         root / "runs",
         root / "cache",
