@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lossguard.agent.checkpoint.dcp_format import owner
 from lossguard.agent.config import parse_config
+from lossguard.agent.train.corpus import prepare_text_corpus
 from lossguard.common.config import ConfigError
 from lossguard.common.rundir.checkpoints import CheckpointError, read_meta
 from lossguard.common.rundir.files import sha256_file
@@ -298,6 +299,33 @@ def test_a_save_torn_by_a_kill_never_becomes_visible_and_the_previous_one_is_use
     assert "resumed from step_00000004 at step 4" in stderr
     assert not hidden.exists() and not list(checkpoints.glob(".*"))
     assert read_meta(checkpoints / f"step_{STEPS:08d}").format == "dcp"
+
+
+def test_a_rank_whose_writes_fail_fails_each_save_and_training_goes_on(
+    tmp_path: Path, corpus_cache: Path
+) -> None:
+    """Rank 1 can write no file past 64 KiB (its shards of every checkpoint fail with EFBIG,
+    as on a full disk): each save is reported failed with rank 1's error, none becomes
+    visible or is left hidden, and the run trains to its last step and exits 0."""
+    settings = sharded_settings(tmp_path / "runs", corpus_cache)
+    prepare_text_corpus(parse_config(settings).data, corpus_cache)  # rank 1 could not write it
+    config = write_config(tmp_path / "c.yaml", settings)
+    limited = subprocess.Popen(
+        [*TORCHRUN, "--nproc_per_node=2", "-m", "tests.fsize_limited_agent", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "LOSSGUARD_TEST_FSIZE": str(64 * 1024)},
+    )
+    finished(limited)
+    run_dir = tmp_path / "runs/tiny"
+    assert sorted(step_records(run_dir)) == list(range(1, STEPS + 1))
+    failed = [e for e in events(run_dir) if e["event"] == "checkpoint_failed"]
+    assert [e["reason"] for e in failed] == ["periodic"] * 3  # steps 4, 8 and 12 (the last)
+    assert all("rank 1: OSError: [Errno 27] File too large" in e["error"] for e in failed), failed
+    assert not any(e["event"] == "checkpoint" for e in events(run_dir))
+    assert list((run_dir / "checkpoints").iterdir()) == []
 
 
 def test_rollbacks_from_memory_and_from_disk_replay_the_same_losses_on_every_rank(

@@ -21,11 +21,13 @@ flight; training is blocked only for the staging.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -40,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lossguard.agent.checkpoint.background import start_writer
 from lossguard.agent.checkpoint.snapshots import restore_into
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
-from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta
+from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta, error_line
 from lossguard.common.rundir.files import sha256_file, write_synced
 
 log = logging.getLogger("lossguard.agent.checkpoint")
@@ -69,6 +72,22 @@ def owner(file_name: str, world_size: int) -> int:
 
 Digests = dict[str, str]
 """sha256 of checkpoint files, by file name."""
+
+
+class DcpError(RuntimeError):
+    """A DCP save or load failed: each failing rank's error, on one line."""
+
+
+@contextlib.contextmanager
+def dcp_errors() -> Iterator[None]:
+    """Raise DCP's CheckpointException as a DcpError. DCP makes it a BaseException, which the
+    ``except Exception`` that keeps a failed save or load from ending the training loop (and
+    a writer thread from dying without a word) would let through."""
+    try:
+        yield
+    except CheckpointException as exc:
+        ranks = sorted(exc.failures.items())
+        raise DcpError("; ".join(f"rank {r}: {error_line(e)}" for r, (e, _) in ranks)) from exc
 
 
 class ShardedState:
@@ -186,7 +205,10 @@ class DcpCheckpoints:
         ``dcp.save``; rank 0 then publishes (DCP's finish on rank 0 follows every rank's write)."""
         written: Digests | Exception
         try:
-            dcp.save(state, checkpoint_id=tmp, storage_writer=self.writer, process_group=self.group)
+            with dcp_errors():
+                dcp.save(
+                    state, checkpoint_id=tmp, storage_writer=self.writer, process_group=self.group
+                )
             written = self._hash_own_files(tmp)
         except Exception as exc:  # rank 0 reports it; a failed save must not stop training
             written = exc
@@ -211,16 +233,22 @@ class DcpCheckpoints:
         """Collective on the save's group: rank 0 gets every rank's digests merged, or the
         first rank's error (other ranks get their own result back)."""
         parts: list[Digests | str | None] = [None] * self.world_size
-        mine = written if isinstance(written, dict) else repr(written)
+        mine = written if isinstance(written, dict) else self._failure(written)
         dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.group)
         if self.rank != 0:
             return written
         merged: Digests = {}
-        for rank, part in enumerate(parts):
+        for part in parts:
             if not isinstance(part, dict):
-                return RuntimeError(f"rank {rank}: {part}")
+                return RuntimeError(part)
             merged.update(part)
         return merged
+
+    def _failure(self, error: Exception) -> str:
+        """``error`` on one line, naming the rank it happened on (a DcpError names them)."""
+        return (
+            str(error) if isinstance(error, DcpError) else f"rank {self.rank}: {error_line(error)}"
+        )
 
     def _finish(
         self,
@@ -234,7 +262,7 @@ class DcpCheckpoints:
         result: CheckpointMeta | BaseException
         if isinstance(digests, Exception):
             shutil.rmtree(tmp, ignore_errors=True)
-            result = RuntimeError(f"checkpoint {fields['name']}: write failed ({digests!r})")
+            result = RuntimeError(f"checkpoint {fields['name']}: write failed ({digests})")
         else:
             time.sleep(self._delay_s)  # the slow_save fault drill (as at save time); 0 otherwise
             try:
@@ -258,7 +286,8 @@ class DcpCheckpoints:
         """Collective: read the model and optimizer shards of checkpoint ``meta`` (resharded
         to this world size) into the live model and optimizer."""
         state = self.sharded.state_dict()
-        dcp.load(state, checkpoint_id=self.root / meta.name, process_group=self.group)
+        with dcp_errors():
+            dcp.load(state, checkpoint_id=self.root / meta.name, process_group=self.group)
         self.sharded.load_state_dict(state)
 
     def close(self) -> None:
