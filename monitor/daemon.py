@@ -14,7 +14,7 @@ from typing import Any
 
 from lossguard.common.config import seconds
 from lossguard.common.ownership import user_ids
-from lossguard.monitor.actions.corroborate import Corroborator
+from lossguard.monitor.actions.corroborate import Corroborator, confirm_window_s
 from lossguard.monitor.actions.engine import Actions, Refusal
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionRecord
@@ -102,6 +102,7 @@ class Monitor:
                 lambda: [entry.rule for entry in self.ruleset.rules],
                 self._knows_run,
                 self.source.query,
+                confirm_within_s=confirm_window_s(self._view_update_s()),
             ),
         )
         delivery = config.notifications.delivery
@@ -137,6 +138,12 @@ class Monitor:
                 token_env=config.listen.token_env,
             ),
         )
+
+    def _view_update_s(self) -> float:
+        """The longest the monitor's view takes to show a new value: an evaluation, after a
+        scrape where the monitor scrapes (its Prometheus has the value it alerted on)."""
+        scraping = self.config.source != "prometheus"
+        return self.interval_s + (seconds(self.config.scrape.interval) if scraping else 0.0)
 
     def _make_source(self, groups: list[RuleGroup]) -> Source:
         if self.config.source == "prometheus":

@@ -1,7 +1,8 @@
 """Alerts from Alertmanager's webhook act only when the monitor corroborates them: a loaded
 rule of that name asking for that action, a run the monitor knows, and the rule's expression
 showing that run on the monitor's own source (an alert that view does not show yet waits for
-it, up to CONFIRM_WITHIN_S). Each refusal is recorded once, with why, and nothing is sent."""
+it, CONFIRM_WITHIN_S or three of its scrape and evaluation intervals where longer). Each
+refusal is recorded once, with why, and nothing is sent."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from lossguard.monitor.actions.corroborate import CONFIRM_WITHIN_S, Corroborator
+from lossguard.monitor.actions.corroborate import (
+    CONFIRM_WITHIN_S,
+    Corroborator,
+    confirm_window_s,
+)
 from lossguard.monitor.actions.engine import Actions
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.policy import ActionsConfig
@@ -58,7 +63,9 @@ def storage() -> MemoryStorage:
 
 
 class Pipeline:
-    def __init__(self, tmp_path: Path, query=None) -> None:
+    def __init__(
+        self, tmp_path: Path, query=None, confirm_within_s: float = CONFIRM_WITHIN_S
+    ) -> None:
         state = StateStore(tmp_path / "state.db")
         self.store = ActionStore(state)
         self.observed: list[tuple[str, str]] = []
@@ -74,6 +81,7 @@ class Pipeline:
                 lambda: [rule for group in RULES for rule in group.rules],
                 KNOWN_RUNS.__contains__,
                 query or (lambda expr, t: evaluate(expr, data, t)),
+                confirm_within_s=confirm_within_s,
             ),
         )
 
@@ -130,6 +138,50 @@ def test_an_alert_the_monitor_never_sees_is_refused_once_after_waiting_for_it(
     assert pipeline.actions.step([], T0 + 3 * CONFIRM_WITHIN_S) == 0
     assert len(pipeline.store.recent(10)) == 1
     assert pipeline.observed == [(alert_labels["action"], "refused")], "recorded once"
+
+
+def test_an_alert_waits_longer_for_a_view_that_updates_slowly(tmp_path: Path) -> None:
+    window = confirm_window_s(15 + 15)  # a 15 s scrape, then a 15 s evaluation
+    assert window == 90 and confirm_window_s(1 + 1) == CONFIRM_WITHIN_S
+    pipeline = Pipeline(tmp_path, confirm_within_s=window)
+    assert pipeline.receive(labels(run="healthy")) == []
+    assert pipeline.actions.step([], T0 + window - 1) == 0
+    assert pipeline.store.recent(10) == [], "still held"
+    assert pipeline.actions.step([], T0 + window) == 0
+    (record,) = pipeline.store.recent(10)
+    assert record.state == "refused" and "not confirmed" in record.reason
+
+
+SCRAPING = {"scrape": {"interval": "15s", "targets": ["http://127.0.0.1:9/metrics"]}}
+QUERYING = {"source": "prometheus", "prometheus": {"url": "http://127.0.0.1:9"}}
+
+
+@pytest.mark.parametrize(
+    ("source", "window"), [(SCRAPING, 90.0), (QUERYING, 45.0)], ids=["scrape", "prometheus"]
+)
+def test_the_monitor_holds_alerts_for_its_own_view_s_update_time(
+    tmp_path: Path, source: dict[str, object], window: float
+) -> None:
+    """A 15 s evaluation, after a 15 s scrape where the monitor scrapes: 3 x 30 s, or 3 x 15 s
+    where its view is the Prometheus that alerted."""
+    from lossguard.monitor.config import MonitorConfig
+    from lossguard.monitor.daemon import Monitor
+
+    rules = tmp_path / "rules.yml"
+    rules.write_text("groups: []\n")
+    config = MonitorConfig.model_validate(
+        {
+            "rules": {"files": [str(rules)], "evaluation_interval": "15s"},
+            "state": {"path": str(tmp_path / "state.db")},
+            "listen": {"port": 0},
+            **source,
+        }
+    )
+    monitor = Monitor(config)
+    try:
+        assert monitor.actions.corroborator.confirm_within_s == window
+    finally:
+        monitor.close()
 
 
 def test_a_confirmed_alert_acts_once_however_often_it_comes(tmp_path: Path) -> None:

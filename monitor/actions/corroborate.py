@@ -10,7 +10,7 @@ Alertmanager, fails one of these and is refused with the reason.
 Prometheus and Alertmanager may see a value before the monitor's own source does (its next
 scrape or evaluation): an alert that passes the rules but that the monitor's view does not show
 yet is held (:class:`AwaitingConfirmation`), looked at again each evaluation, and refused only
-if the view still does not show it ``CONFIRM_WITHIN_S`` after it came."""
+if the view still does not show it ``confirm_window_s`` after it came."""
 
 from __future__ import annotations
 
@@ -30,8 +30,17 @@ SCRAPER_LABELS = frozenset({METRIC_NAME, "job", "instance"})
 Query = Callable[[str, float], Value]
 
 CONFIRM_WITHIN_S = 15.0
-"""How long an alert the monitor's own view does not show yet waits for it before it is
+"""The least time an alert the monitor's own view does not show yet waits for it before it is
 refused: several of the monitor's scrape and evaluation intervals (1 s each by default)."""
+VIEW_UPDATES = 3
+"""How many updates of the monitor's view a held alert waits for, where they take longer."""
+
+
+def confirm_window_s(view_update_s: float) -> float:
+    """How long a held alert waits for the monitor's view, which takes up to ``view_update_s``
+    to show a new value (a scrape and an evaluation): ``CONFIRM_WITHIN_S``, or
+    ``VIEW_UPDATES`` updates where they take longer (a 15 s scrape and evaluation: 90 s)."""
+    return max(CONFIRM_WITHIN_S, VIEW_UPDATES * view_update_s)
 
 
 class Corroborator:
@@ -42,10 +51,15 @@ class Corroborator:
         rules: Callable[[], Sequence[AlertingRule]],
         known_run: Callable[[str], bool],
         query: Query,
+        *,
+        confirm_within_s: float = CONFIRM_WITHIN_S,
     ) -> None:
+        """``confirm_within_s``: how long an alert the view does not show yet is held for it
+        (``confirm_window_s``)."""
         self._rules = rules
         self._known_run = known_run
         self._query = query
+        self.confirm_within_s = confirm_within_s
 
     def rule_refusal(self, alert: ActionAlert) -> str | None:
         """Why ``alert`` may never act, whatever the monitor sees later: no such rule or
@@ -102,15 +116,17 @@ def _same_series(labels: Labels, alert: ActionAlert) -> bool:
 
 class AwaitingConfirmation:
     """Alerts that passed the rules but that the monitor's own view did not show when they
-    came: each is looked at again (``review``) until the view shows it or it has waited
-    ``CONFIRM_WITHIN_S``. Keyed by request id: a repeat of a held alert changes nothing."""
+    came: each is looked at again (``review``) until the view shows it or it has waited the
+    corroborator's ``confirm_within_s``. Keyed by request id: a repeat of a held alert changes
+    nothing."""
 
     def __init__(self, corroborator: Corroborator) -> None:
         self._corroborator = corroborator
         self._held: dict[str, tuple[ActionAlert, float]] = {}  # request id -> (alert, until)
 
     def hold(self, alert: ActionAlert, now: float) -> None:
-        self._held.setdefault(alert.request_id, (alert, now + CONFIRM_WITHIN_S))
+        until = now + self._corroborator.confirm_within_s
+        self._held.setdefault(alert.request_id, (alert, until))
 
     def drop(self, request_id: str) -> None:
         """Alertmanager resolved it: nothing to confirm any more."""
