@@ -2,7 +2,7 @@
 ``LOSSGUARD_TEST_FSIZE`` bytes (``RLIMIT_FSIZE``, ``SIGXFSZ`` ignored), so that rank's
 checkpoint writes fail with EFBIG as they would on a full disk:
 
-    torchrun --nproc_per_node 2 -m tests.fsize_limited_agent CONFIG [agent run options]
+    torchrun --nproc_per_node 2 -m tests.fsize_limited_agent CONFIG [lossguard-agent run options]
 """
 
 from __future__ import annotations

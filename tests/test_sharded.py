@@ -59,14 +59,17 @@ def sharded_settings(runs: Path, cache: Path, **distributed: Any) -> dict[str, A
     )
 
 
-def torchrun(nproc: int, config: Path, *args: str) -> subprocess.Popen[str]:
+def torchrun(
+    nproc: int, config: Path, *args: str, agent: list[str] = AGENT, **env: str
+) -> subprocess.Popen[str]:
+    """``agent`` (``lossguard-agent run`` by default) on ``nproc`` ranks, with ``env`` added."""
     return subprocess.Popen(
-        [*TORCHRUN, f"--nproc_per_node={nproc}", *AGENT, str(config), "--no-progress", *args],
+        [*TORCHRUN, f"--nproc_per_node={nproc}", *agent, str(config), "--no-progress", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
 
 
@@ -220,10 +223,8 @@ def test_spam_trains_sharded_and_its_state_is_in_the_dcp_checkpoint(
 def test_each_file_is_hashed_by_the_rank_that_wrote_it_and_any_other_by_rank_0() -> None:
     written = {"rank_1.pt": 1, "__1_0.distcp": 1, "__3_2.distcp": 3, "rank_0.pt": 0}
     others = {".metadata": 0, "rank_9.pt": 0, "__12_0.distcp": 0, "rank_x.pt": 0, "notes": 0}
-    assert {name: owner(name, world_size=4) for name in {**written, **others}} == {
-        **written,
-        **others,
-    }
+    expected = {**written, **others}
+    assert {name: owner(name, world_size=4) for name in expected} == expected
 
 
 def test_bad_combinations_are_one_line_and_exit_2(tmp_path: Path, corpus_cache: Path) -> None:
@@ -310,15 +311,8 @@ def test_a_rank_whose_writes_fail_fails_each_save_and_training_goes_on(
     settings = sharded_settings(tmp_path / "runs", corpus_cache)
     prepare_text_corpus(parse_config(settings).data, corpus_cache)  # rank 1 could not write it
     config = write_config(tmp_path / "c.yaml", settings)
-    limited = subprocess.Popen(
-        [*TORCHRUN, "--nproc_per_node=2", "-m", "tests.fsize_limited_agent", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "LOSSGUARD_TEST_FSIZE": str(64 * 1024)},
-    )
-    finished(limited)
+    limited = ["-m", "tests.fsize_limited_agent"]
+    finished(torchrun(2, config, agent=limited, LOSSGUARD_TEST_FSIZE=str(64 * 1024)))
     run_dir = tmp_path / "runs/tiny"
     assert sorted(step_records(run_dir)) == list(range(1, STEPS + 1))
     failed = [e for e in events(run_dir) if e["event"] == "checkpoint_failed"]

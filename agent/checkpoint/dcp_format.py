@@ -66,7 +66,7 @@ def owner(file_name: str, world_size: int) -> int:
     """The rank that hashes ``file_name`` of a ``dcp`` checkpoint: the rank that wrote it (it
     is in that rank's page cache, and on its node), rank 0 for any other file."""
     written = _RANK_WRITTEN.fullmatch(file_name)
-    rank = int(next(g for g in written.groups() if g is not None)) if written else 0
+    rank = int(written[1] or written[2]) if written else 0
     return rank if rank < world_size else 0
 
 
