@@ -2,12 +2,45 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from lossguard.common.config import ConfigError
+
+# how often the serving thread looks for a stop: ``stop()`` waits up to this long (the
+# standard library's 0.5 s, which prometheus_client's start_http_server keeps, added that much
+# to every agent's exit)
+STOP_POLL_S = 0.05
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No log line per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _serve(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
+    """prometheus_client's ``start_http_server`` with a short stop poll: its WSGI app on its
+    threading server, for IPv4 or IPv6 as ``host`` resolves."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    server: WSGIServer = make_server(
+        host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
+    )
+    threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": STOP_POLL_S},
+        name="metrics",
+        daemon=True,
+    ).start()
+    return server
 
 
 @dataclass
@@ -16,12 +49,14 @@ class Exporter:
 
     host: str
     port: int
-    _server: Any
+    _server: WSGIServer
 
     @classmethod
     def start(cls, registry: CollectorRegistry, host: str, port: int) -> Exporter:
         try:
-            server, _ = start_http_server(port, addr=host, registry=registry)
+            server = _serve(registry, host, port)
+        except socket.gaierror as exc:
+            raise ConfigError(f"telemetry.host: cannot resolve {host!r} ({exc.strerror})") from None
         except OSError as exc:
             raise ConfigError(
                 f"telemetry.port: cannot serve metrics on {host}:{port} ({exc.strerror}); "
