@@ -32,7 +32,9 @@ def tiny_settings(runs: Path, cache: Path, **sections: Any) -> dict[str, Any]:
         "run": {"dir": str(runs), "id": "tiny", "seed": 7, "device": "cpu"},
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
         "data": {"kind": "text", "max_bytes": 400_000, "cache_dir": str(cache)},
-        "telemetry": {"host": "127.0.0.1", "port": 0},
+        # a configured peak: measuring this CPU's (0.3 s of matmuls) at every agent start cost
+        # the suite more than a minute; tests of the measured peak set it back to None
+        "telemetry": {"host": "127.0.0.1", "port": 0, "peak_flops": 1e11},
         "train": {
             "max_steps": 20,
             "batch_size": 8,

@@ -124,7 +124,12 @@ def _status_request() -> tuple[Any, None]:
 def test_mfu_and_throughput_match_an_independent_computation(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    cfg = config(tmp_path, corpus_cache, train={"max_steps": 20, "log_every": 5, "grad_accum": 2})
+    cfg = config(
+        tmp_path,
+        corpus_cache,
+        train={"max_steps": 20, "log_every": 5, "grad_accum": 2},
+        telemetry={"peak_flops": None},
+    )
     trainer, text = train_and_scrape(cfg)
     m = cfg.model
     n_params = GPT(m, 256).num_params(non_embedding=False) - m.block_size * m.n_embd
