@@ -11,8 +11,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
+from lossguard.agent.quick_exit import exit_without_teardown
 from lossguard.agent.stop_signals import caught_for_guard, ignore_stop_signals
 from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, add_override_option
 from lossguard.common.exitcodes import EXIT_PERMANENT
@@ -238,5 +239,11 @@ def _command(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
 
+def console_main() -> NoReturn:
+    """The ``lossguard-agent`` command: :func:`main`, whose exit code ends the process without
+    the interpreter's teardown (:mod:`lossguard.agent.quick_exit`)."""
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
