@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -22,6 +24,10 @@ from lossguard.agent.config import Config, parse_config
 # One intra-op thread per test process: pytest-xdist runs one worker per core, and torch's
 # default (a thread per core in every worker) oversubscribes the cores several times over.
 torch.set_num_threads(1)
+
+# Every Python process a test starts prints its threads' stacks on a fatal signal: one that
+# will not stop gets SIGABRT from stop_process and leaves where it hung in its log.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -225,15 +231,28 @@ def alert_events(db: Path) -> list[dict[str, Any]]:
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 30) -> int:
-    """SIGTERM, then wait; SIGKILL if it does not end in ``timeout``."""
+    """SIGTERM, then wait; if it does not end in ``timeout``: a Python process gets SIGABRT
+    first (its threads' stacks go to its stderr, see PYTHONFAULTHANDLER above: where it hung),
+    then SIGKILL."""
     if process.poll() is None:
         process.terminate()
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
+            if _runs_python(process):
+                process.send_signal(signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(10)
             process.kill()
             process.wait()
     return int(process.returncode)
+
+
+def _runs_python(process: subprocess.Popen) -> bool:
+    try:
+        return os.path.realpath(f"/proc/{process.pid}/exe") == os.path.realpath(sys.executable)
+    except OSError:
+        return False
 
 
 def stop_processes(*processes: subprocess.Popen, timeout: float = 30) -> list[int]:
