@@ -240,8 +240,8 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def console_main() -> NoReturn:
-    """The ``lossguard-agent`` command: :func:`main`, whose exit code ends the process without
-    the interpreter's teardown (:mod:`lossguard.agent.quick_exit`)."""
+    """The ``lossguard-agent`` command: :func:`main`; a run that ended well exits without the
+    interpreter's teardown (:mod:`lossguard.agent.quick_exit`)."""
     exit_without_teardown(main())
 
 
