@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -12,11 +11,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from lossguard.common.config import ConfigError
-
-# how often the serving thread looks for a stop: ``stop()`` waits up to this long (the
-# standard library's 0.5 s, which prometheus_client's start_http_server keeps, added that much
-# to every agent's exit)
-STOP_POLL_S = 0.05
+from lossguard.common.serving import serve_in_background
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -34,12 +29,7 @@ def _serve(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
     server: WSGIServer = make_server(
         host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
     )
-    threading.Thread(
-        target=server.serve_forever,
-        kwargs={"poll_interval": STOP_POLL_S},
-        name="metrics",
-        daemon=True,
-    ).start()
+    serve_in_background(server, "metrics")
     return server
 
 

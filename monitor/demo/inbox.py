@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Literal
 
+from lossguard.common.serving import serve_in_background
+
 Service = Literal["slack", "pagerduty"]
 SLACK_PATH = "/slack"
 PAGERDUTY_PATH = "/v2/enqueue"
@@ -41,10 +43,7 @@ class Inbox:
         self._server.daemon_threads = True
         self._server.inbox = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True
-        )
-        self._thread.start()
+        self._thread = serve_in_background(self._server, "demo-inbox")
 
     def messages(self) -> list[Message]:
         """Every message so far, in arrival order."""

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, unquote
 from prometheus_client import CollectorRegistry
 
 from lossguard.common.config import ConfigError
+from lossguard.common.serving import serve_in_background
 from lossguard.monitor.http.messages import Request, Response, Route, Routes, error_for
 from lossguard.monitor.http.ops import DEFAULT_TOKEN_ENV, Health, OnAlerts, Status, monitor_routes
 
@@ -35,7 +36,6 @@ _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: c
 MAX_BODY_BYTES = 1 << 20  # a webhook of a few hundred alerts; Alertmanager's max_alerts caps it
 _DRAIN_LIMIT = 16 << 20  # read (and drop) a too large body up to this, so the client hears 413
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-STOP_POLL_S = 0.05  # how often the serving thread looks for a stop: close() waits up to this
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
@@ -74,13 +74,7 @@ class MonitorServer:
                 "is another monitor running? set listen.port=0 for any free port"
             ) from None
         self.host, self.port = host, int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": STOP_POLL_S},
-            name="monitor-http",
-            daemon=True,
-        )
-        self._thread.start()
+        self._thread = serve_in_background(self._server, "monitor-http")
 
     @property
     def url(self) -> str:

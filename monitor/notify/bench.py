@@ -12,7 +12,6 @@ import os
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +21,7 @@ import requests
 from rich.console import Console
 from rich.table import Table
 
+from lossguard.common.serving import serve_in_background
 from lossguard.monitor.notify.config import NotificationsConfig, read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
 from lossguard.monitor.notify.dispatcher import Dispatcher
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("need 1 <= --runs <= --alerts")
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve_in_background(server, "bench-sink")
     try:
         with tempfile.TemporaryDirectory() as directory:
             url = f"http://127.0.0.1:{server.server_address[1]}/hook"
