@@ -14,10 +14,12 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from lossguard.common.config import Section, field_error, read_config_file, validate
+from lossguard.common.config import Section, field_error, read_config_file, seconds, validate
 from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
 from lossguard.common.sizes import parse_budget
 
+MIN_TIMEOUT_S = 10.0
+"""``distributed.timeout``'s floor: below it a slow step or save would end healthy ranks."""
 DEFAULT_CHECKPOINT_SECONDS = 1800.0
 """The crash path's cadence when ``checkpoint.every`` is not set: a save every 30 minutes."""
 
@@ -266,6 +268,23 @@ class DistributedConfig(Section):
     activation_checkpointing: bool = Field(
         default=False, description="fsdp2/hsdp: recompute each block's activations in backward."
     )
+    timeout: str = Field(
+        default="10m",
+        description="How long a collective waits for the other ranks before the rank ends with "
+        "the retryable exit code (75): the process group's timeout (the built-in trainer's "
+        "group; a Guard's control group). A Prometheus duration, at least 10s.",
+    )
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout_is_a_duration(cls, value: str) -> str:
+        if seconds(value) < MIN_TIMEOUT_S:
+            raise ValueError(f"must be at least {MIN_TIMEOUT_S:.0f}s, not {value!r}")
+        return value
+
+    @property
+    def timeout_s(self) -> float:
+        return seconds(self.timeout)
 
     @property
     def sharded(self) -> bool:
@@ -404,6 +423,19 @@ class FaultConfig(Section):
         description="A transient fault: it perturbs the first pass over its steps only, not a "
         "replay of them after a rollback or resume in the same process.",
     )
+    ranks: list[int] | None = Field(
+        default=None,
+        min_length=1,
+        description="The ranks it perturbs (null: every rank), as a fault on one rank's batch "
+        "or host is in a real run.",
+    )
+
+    @field_validator("ranks")
+    @classmethod
+    def _distinct_ranks(cls, ranks: list[int] | None) -> list[int] | None:
+        if ranks is not None and (min(ranks) < 0 or len(set(ranks)) != len(ranks)):
+            raise ValueError(f"must be distinct ranks >= 0, not {ranks}")
+        return ranks
 
 
 class Config(Section):

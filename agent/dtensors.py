@@ -8,6 +8,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lossguard.agent.distributed import collective
+
 __all__ = ["DTensor", "full_value", "is_sharded", "reduce_shard_stats", "shard_stats"]
 
 
@@ -51,7 +53,8 @@ def reduce_shard_stats(stats: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
     sums = local[:, [0, 2, 3]] / replicas
     maxima = local[:, 1].clone()
     if dist.is_initialized():
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        with collective("all_reduce: sharded gradient statistics"):
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
     dead = torch.where(sums[:, 2] > 0, sums[:, 1] / sums[:, 2].clamp(min=1), 0.0)
     return torch.stack([sums[:, 0].sqrt(), maxima, dead], dim=1)

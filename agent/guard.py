@@ -55,6 +55,7 @@ from lossguard.agent.startup import (
     start_telemetry,
 )
 from lossguard.agent.stop_signals import StopSignals, catching_from_the_start
+from lossguard.agent.stuck_rank import StuckRankWatch
 from lossguard.agent.telemetry.batch_tokens import BatchTokens, vocabulary_of
 from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.interval import Interval
@@ -149,7 +150,8 @@ class Guard:
         self.checkpoints: CheckpointStore | None = None
         self.control: ControlServer | None = None
         self.sinks: list[Sink] = []
-        self._group = control_group()
+        self._stuck: StuckRankWatch | None = None
+        self._group = control_group(self.config.distributed.timeout_s)
         moved = on_main(lambda: start_over_check(self.path, start), self.rank, self._group)
         self.telemetry = start_telemetry(
             self.config,
@@ -241,6 +243,15 @@ class Guard:
         # the state training starts from, at the first poll: after an evaluation there, so
         # that a rollback to it need not evaluate again
         self._due.snapshot = True
+        self._stuck = (
+            StuckRankWatch(timeout_s=self.config.distributed.timeout_s, stop_asked=self._stop_asked)
+            if self.world_size > 1
+            else None
+        )
+
+    def _stop_asked(self) -> str | None:
+        """A stop command waiting at rank 0's control server (for the stuck-rank watch)."""
+        return "stop" if self.control is not None and self.control.waiting("stop") else None
 
     def _resume(self, start: StartPlan) -> None:
         """Restore ``start.target`` before the first step; audited and logged with its source.
@@ -570,6 +581,9 @@ class Guard:
             self.event(CLOSE, stop_requested=self.stop_requested)
             self.run_dir.mark_finished("failed" if failed else self.outcome)
             self.run_dir.close()
+        if self._stuck is not None:
+            self._stuck.close()
+            self._stuck = None
 
     def __enter__(self) -> Guard:
         return self

@@ -44,7 +44,7 @@ class SpikeSkipper:
             above = detectors[signal].exceeds(self.cfg.zscore, self.cfg.min_history)
             spike |= above.to(spike.device)
         if self.distributed:
-            spike = all_reduce_max_tensor(spike.to(torch.uint8)).bool()
+            spike = all_reduce_max_tensor(spike.to(torch.uint8), "all_reduce: spike skip").bool()
         self._run = (self._run + 1) * spike
         return spike & (self._run <= self.cfg.max_consecutive)
 

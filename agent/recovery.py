@@ -209,7 +209,8 @@ class Recovery:
     def payload(self) -> tuple[dict[str, Any], bool]:
         """Everything a bit-exact resume needs, and whether every rank is healthy now.
         Collective under torchrun: the RNG states and health of all ranks are gathered."""
-        gathered = all_gather_objects((capture_rng(), self.healthy_now()), self.group)
+        state = (capture_rng(), self.healthy_now())
+        gathered = all_gather_objects(state, self.group, "all_gather_object: RNG states and health")
         payload = {
             "format": CHECKPOINT_FORMAT,
             "world_size": self.world_size,
@@ -221,7 +222,7 @@ class Recovery:
     def rank_payload(self) -> tuple[dict[str, Any], bool]:
         """A sharded run's per-rank part of a checkpoint (all but the sharded model and
         optimizer, and this rank's RNG states), and whether every rank is healthy now."""
-        gathered = all_gather_objects(self.healthy_now(), self.group)
+        gathered = all_gather_objects(self.healthy_now(), self.group, "all_gather_object: health")
         payload = {
             "format": CHECKPOINT_FORMAT,
             "world_size": self.world_size,
@@ -326,7 +327,8 @@ class Recovery:
         payload, all_healthy = self.payload() if self.sharded is None else self.rank_payload()
         if self.sharded is not None:
             payload["state"].update(self.sharded.sharded.state_dict())
-        refusals = all_gather_objects(snapshots.refusal(payload), self.group)
+        refusal = snapshots.refusal(payload)
+        refusals = all_gather_objects(refusal, self.group, "all_gather_object: snapshot budget")
         refused = [(rank, why) for rank, why in enumerate(refusals) if why is not None]
         if refused:
             rank, why = refused[0]
@@ -395,7 +397,10 @@ class Recovery:
             self._apply(payload)
         except Exception as exc:
             failure = exc
-        if all_reduce_max([int(failure is not None)], self.group)[0]:  # every rank agrees
+        failed = all_reduce_max(
+            [int(failure is not None)], self.group, "all_reduce: restore applied"
+        )
+        if failed[0]:  # every rank agrees
             self.state_mixed = True
             why = failure or "on another rank"
             raise RestoreError(
@@ -428,7 +433,9 @@ class Recovery:
                 loaded = [{"meta": meta, "payload": payload}]
             except Exception as exc:
                 loaded = [f"{exc}"]
-        loaded = broadcast_objects(loaded, self.group)
+        loaded = broadcast_objects(
+            loaded, self.group, "broadcast_object_list: checkpoint to restore"
+        )
         if isinstance(loaded[0], str):
             raise RestoreError(loaded[0], not_found=True)
         meta = loaded[0]["meta"]
@@ -451,7 +458,9 @@ class Recovery:
                 chosen = [self.store.load_verified(target, before_step, memory)]
             except Exception as exc:
                 chosen = [f"{exc}"]
-        chosen = broadcast_objects(chosen, self.group)
+        chosen = broadcast_objects(
+            chosen, self.group, "broadcast_object_list: checkpoint to restore"
+        )
         if isinstance(chosen[0], str):
             raise RestoreError(chosen[0], not_found=True)
         meta: CheckpointMeta = chosen[0]
@@ -481,7 +490,10 @@ class Recovery:
         if self.snapshots is not None:
             with contextlib.suppress(KeyError):
                 payload = self.snapshots.payload(name)
-        if all_reduce_max([int(payload is None)], self.group)[0]:
+        missing = all_reduce_max(
+            [int(payload is None)], self.group, "all_reduce: snapshot in memory"
+        )
+        if missing[0]:
             raise RestoreError(f"snapshot {name} is not in memory on every rank", not_found=True)
         assert payload is not None
         return payload
@@ -539,7 +551,9 @@ class Recovery:
             model = self.state["model"]
             assert isinstance(model, nn.Module)
             mine = {"rank": self.rank, "step": self.progress.step, "weights": weights_digest(model)}
-            result["ranks"] = all_gather_objects(mine, self.group)
+            result["ranks"] = all_gather_objects(
+                mine, self.group, "all_gather_object: rollback digests"
+            )
         self.event(ROLLBACK, **result)
         log.warning("rolled back from step %d to step %d (%s)", from_step, meta.step, meta.name)
         return result

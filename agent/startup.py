@@ -47,7 +47,7 @@ def on_main(work: Callable[[], T], rank: int, group: Any) -> T:
             outcome = [(work(), None)]
         except Exception as exc:
             outcome = [(None, exc)]
-    result, error = broadcast_objects(outcome, group)[0]
+    result, error = broadcast_objects(outcome, group, "broadcast_object_list: start checks")[0]
     if error is not None:
         raise error
     return result
@@ -227,6 +227,7 @@ def start_recovery(
             rank=rank,
             world_size=world_size,
             device=device,
+            timeout_s=config.distributed.timeout_s,
         )
         if is_sharded(model)
         else None

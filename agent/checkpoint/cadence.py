@@ -24,7 +24,7 @@ def periodic_save_due(
     if cfg.every_seconds is None or not logged:
         return False
     late = time.monotonic() - last_saved_at >= cfg.every_seconds
-    return bool(all_reduce_max([int(late)], group)[0])
+    return bool(all_reduce_max([int(late)], group, "all_reduce: time cadence save due")[0])
 
 
 class Due:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lossguard.agent.checkpoint.background import start_writer
 from lossguard.agent.checkpoint.snapshots import restore_into
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
+from lossguard.agent.distributed import collective, control_group
 from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta, error_line
 from lossguard.common.rundir.files import sha256_file, write_synced
 
@@ -137,13 +138,14 @@ class DcpCheckpoints:
         rank: int,
         world_size: int,
         device: torch.device,
+        timeout_s: float,
     ) -> None:
         self.root = root
         self.sharded = sharded
         self.store = store
         self.rank = rank
         self.world_size = world_size
-        self.group = dist.new_group(backend="gloo")
+        self.group = control_group(timeout_s, "new_group: the dcp save group")
         # the state is staged into host buffers made at the first save and reused: on GPUs
         # pinned, by the writer's own stager (torch 2.11's DefaultStager cannot copy DTensors
         # there); on CPU by one DefaultStager kept from save to save (it caches its copies)
@@ -191,7 +193,8 @@ class DcpCheckpoints:
     def _temp_folder(self, name: str) -> Path:
         """Rank 0 makes the hidden folder; every rank learns its name."""
         box = [str(self.store.temp_folder(name)) if self.store is not None else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        with collective("broadcast_object_list: dcp checkpoint folder"):
+            dist.broadcast_object_list(box, src=0, group=self.group)
         return Path(str(box[0]))
 
     def _write_now(
@@ -205,7 +208,7 @@ class DcpCheckpoints:
         ``dcp.save``; rank 0 then publishes (DCP's finish on rank 0 follows every rank's write)."""
         written: Digests | Exception
         try:
-            with dcp_errors():
+            with dcp_errors(), collective("dcp.save: checkpoint shards"):
                 dcp.save(
                     state, checkpoint_id=tmp, storage_writer=self.writer, process_group=self.group
                 )
@@ -234,7 +237,8 @@ class DcpCheckpoints:
         first rank's error (other ranks get their own result back)."""
         parts: list[Digests | str | None] = [None] * self.world_size
         mine = written if isinstance(written, dict) else self._failure(written)
-        dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.group)
+        with collective("gather_object: dcp checkpoint digests"):
+            dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.group)
         if self.rank != 0:
             return written
         merged: Digests = {}
@@ -286,7 +290,7 @@ class DcpCheckpoints:
         """Collective: read the model and optimizer shards of checkpoint ``meta`` (resharded
         to this world size) into the live model and optimizer."""
         state = self.sharded.state_dict()
-        with dcp_errors():
+        with dcp_errors(), collective("dcp.load: checkpoint shards"):
             dcp.load(state, checkpoint_id=self.root / meta.name, process_group=self.group)
         self.sharded.load_state_dict(state)
 

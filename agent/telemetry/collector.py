@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lossguard.agent.config import Config
-from lossguard.agent.distributed import all_gather_objects
+from lossguard.agent.distributed import all_gather_objects, all_reduce_max_tensor
 from lossguard.agent.dtensors import is_sharded
 from lossguard.agent.telemetry.exporter import Exporter
 from lossguard.agent.telemetry.fp8_fidelity import Fp8Fidelity, Replay
@@ -114,7 +114,8 @@ class Telemetry:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         port = cfg.port + local_rank if cfg.port else 0
         self.exporter = Exporter.start(self.metrics.registry, cfg.host, port)
-        self.urls = all_gather_objects(self.exporter.url(public_host(cfg.host)), group)
+        url = self.exporter.url(public_host(cfg.host))
+        self.urls = all_gather_objects(url, group, "all_gather_object: exporter URLs")
         precision = config.precision.dtype
         self.peak: Peak | None = resolve_peak(device, precision, cfg.peak_flops)
         self.fp8 = None
@@ -258,10 +259,15 @@ class Telemetry:
     def resync_totals(self, step: int) -> SignalStats:
         """After a restore to ``step``: the detectors count steps from there and their totals
         jump back, so counters count on from them; the last non-finite step is the restored
-        one at once (an alert on it resolves). One read; returns the statistics by signal."""
+        one at once (an alert on it resolves). One read of the statistics reduced over ranks,
+        as every log interval reads them (the worst rank's): every rank's audit then compares
+        the same totals and enters the same collectives. Returns them by signal."""
         for detector in self.detectors.values():
             detector.set_step(step)
-        by_signal = signal_stats(self.stats().tolist())
+        restored = all_reduce_max_tensor(
+            self.stats(), "all_reduce: detector totals after a restore"
+        )
+        by_signal = signal_stats(restored.tolist())
         for signal, values in by_signal.items():
             self._exported_totals[_total_key("spikes", signal=signal)] = values["spikes_total"]
             self._exported_totals[_total_key("nonfinite", signal=signal)] = values[

@@ -189,7 +189,7 @@ class Fp8Fidelity:
             return
         for _, shadow in self._pairs:
             if shadow.grad is not None:
-                all_reduce_sum(shadow.grad).div_(world)
+                all_reduce_sum(shadow.grad, "all_reduce: FP8 fidelity shadow gradients").div_(world)
 
     @torch.no_grad()
     def _compare(self, loss: torch.Tensor, ref_loss: torch.Tensor) -> torch.Tensor:

@@ -85,9 +85,11 @@ class Interval:
                 self.skipped_spikes,
             ]
         ).double()
-        parts = [all_reduce_sum(summed)]
+        parts = [all_reduce_sum(summed, "all_reduce: log interval totals")]
         if stats is not None:  # flags: the worst rank wins, so every rank agrees
-            parts.append(all_reduce_max_tensor(stats))
+            parts.append(
+                all_reduce_max_tensor(stats, "all_reduce: log interval detector statistics")
+            )
         own = 0 if local is None else local.numel()
         if local is not None:
             parts.append(local.double())

@@ -171,7 +171,9 @@ class IntervalLog:
         audits the same detections)."""
         if self.tokens is None:
             return None
-        return all_gather_objects(self.tokens.read(step), self.group)
+        return all_gather_objects(
+            self.tokens.read(step), self.group, "all_gather_object: token statistics of a detection"
+        )
 
     def healthy(self, last_train_loss: float | None) -> bool:
         """This rank: false inside a spike episode, or when the current interval or the last

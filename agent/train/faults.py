@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lossguard.agent.config import FaultConfig
+from lossguard.agent.config import Config, FaultConfig
 from lossguard.agent.train.corpus import Batch
+from lossguard.common.config import ConfigError
 from lossguard.common.rundir.events import FAULT
 
 log = logging.getLogger("lossguard.agent")
@@ -41,9 +42,11 @@ class FaultInjector:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     event: Callable[..., None]
+    rank: int = 0
     step: int = field(default=0, init=False)
     active: dict[str, FaultConfig] = field(default_factory=dict, init=False)
-    """The faults of ``step``, by kind (of two of a kind, the one configured last)."""
+    """The faults of ``step`` on this rank, by kind (of two of a kind, the one configured last).
+    A fault's start is audited (rank 0) whichever ranks it hits."""
     passed: int = field(default=0, init=False)
     """The furthest step started: a ``once`` fault perturbs no step at or before it again."""
 
@@ -54,14 +57,15 @@ class FaultInjector:
         self.step = step
         first_pass = step > self.passed
         self.passed = max(self.passed, step)
-        self.active = {
-            f.kind: f
+        now = [
+            f
             for f in self.faults
             if f.step <= step < f.step + f.duration and (first_pass or not f.once)
-        }
-        for fault in self.active.values():
+        ]
+        for fault in now:
             if fault.step == step:
                 self.event(FAULT, **fault.model_dump())
+        self.active = {f.kind: f for f in now if f.ranks is None or self.rank in f.ranks}
         if "crash" in self.active:
             crash(step)
         if "hang" in self.active:
@@ -106,6 +110,16 @@ class FaultInjector:
         """Around the optimizer step: scales the learning rate during ``lr_scale``."""
         fault = self.active.get("lr_scale")
         return scaled_lr(self.optimizer, fault.factor) if fault else _UNPERTURBED
+
+
+def check_fault_ranks(cfg: Config, world_size: int) -> None:
+    """A fault aimed at a rank this run does not have is a configuration error."""
+    for i, fault in enumerate(cfg.faults):
+        beyond = [r for r in fault.ranks or [] if r >= world_size]
+        if beyond:
+            raise ConfigError(
+                f"faults[{i}].ranks: rank {beyond[0]} is not in this run of {world_size} ranks"
+            )
 
 
 OUTLIER = 2.0**20

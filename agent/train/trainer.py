@@ -35,7 +35,7 @@ from lossguard.agent.precision import (
 )
 from lossguard.agent.start_plan import check_start, run_path, start_plan
 from lossguard.agent.train.corpus import Batch, BatchSampler, load_data
-from lossguard.agent.train.faults import FaultInjector
+from lossguard.agent.train.faults import FaultInjector, check_fault_ranks
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 from lossguard.agent.train.optim import WeightEma, build_optimizer, build_scheduler
@@ -107,10 +107,15 @@ class Trainer:
         wins); a run directory with checkpoints needs one of them (``CheckpointsExist``)."""
         start = start_plan(resume, skip_batches, overwrite)
         check_start(run_path(cfg), start, afresh=False)  # rank 0's Guard checks a start afresh
-        self.dist = setup_distributed(cfg.run.device, always=cfg.distributed.sharded)
+        check_fault_ranks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        self.dist = setup_distributed(
+            cfg.run.device, timeout_s=cfg.distributed.timeout_s, always=cfg.distributed.sharded
+        )
         self.device = self.dist.device
         cfg = cfg.model_copy(deep=True)
-        cfg.run.id = broadcast_from_main(cfg.run.id or new_run_id())
+        cfg.run.id = broadcast_from_main(
+            cfg.run.id or new_run_id(), "broadcast_object_list: run id"
+        )
         self.cfg = cfg
         self.run_path = cfg.run.dir / str(cfg.run.id)
         seed_everything(cfg.run.seed)
@@ -118,7 +123,7 @@ class Trainer:
         cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"
         if self.dist.is_main:  # rank 0 tokenises and caches; the others then read the cache
             self.data = load_data(cfg.data, cache_dir, cfg.model.vocab_size)
-        barrier()
+        barrier("barrier: data cache ready")
         if not self.dist.is_main:
             self.data = load_data(cfg.data, cache_dir, cfg.model.vocab_size)
         self.sampler = BatchSampler(
@@ -205,6 +210,7 @@ class Trainer:
             model=self.raw_model,
             optimizer=self.optimizer,
             event=self.guard.event,
+            rank=self.dist.rank,
         )
         if self.early_stopping is not None:  # after a resume: loaded from the checkpoint
             self.guard.register("early_stopping", self.early_stopping)
@@ -305,7 +311,7 @@ class Trainer:
             total += loss.double()
         model.train()
         count = self.cfg.train.eval_batches * self.dist.world_size
-        return float(all_reduce_sum(total).item()) / count
+        return float(all_reduce_sum(total, "all_reduce: validation loss").item()) / count
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss over a fixed set of batches (and of the EMA weights, if kept)."""

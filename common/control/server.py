@@ -171,6 +171,11 @@ class ControlServer:
             taken, self._queued = self._queued, []
         return taken
 
+    def waiting(self, cmd: str) -> bool:
+        """Whether a ``cmd`` command is queued, not yet taken by the training loop."""
+        with self._lock:
+            return any(pending.request.cmd == cmd for pending in self._queued)
+
     def close(self) -> None:
         """Stop listening; anything still queued is answered ``shutting_down``."""
         self._stopping.set()
