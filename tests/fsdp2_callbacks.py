@@ -2,7 +2,10 @@
 tests.fsdp2_callbacks ROOT SCENARIO...``, gloo, CPU): a ``transformers.Trainer`` sharded by
 accelerate's FSDP2 (``hf``) and a Lightning ``fit`` under ``ModelParallelStrategy`` with
 ``fully_shard`` in ``configure_model`` (``lightning``), one after the other in the same
-processes, each in ``ROOT/runs/<scenario>`` until an operator stops it.
+processes, each in ``ROOT/runs/<scenario>`` until an operator stops it. The Lightning run
+takes a NaN on rank 1 only when the operator asks (``NAN_FLAG``); with
+``$LOSSGUARD_TEST_COLLECTIVES`` set, every rank records its collectives there
+(tests/rank_drill.py).
 
 accelerate 1.15 turns its FSDP plugin on only on accelerators: on CPU its state stays
 ``MULTI_CPU`` and the Trainer would run DDP. ``accelerate_fsdp_on_cpu`` takes the branch that
@@ -12,6 +15,7 @@ accelerate's own ``fully_shard`` of the model, on CPU with gloo.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from lossguard.agent.config import parse_config
 from lossguard.agent.integrations import huggingface, lightning
+from tests.rank_drill import record_collectives
 
 MAX_STEPS = 400  # the operator's stop ends each run long before
 BATCH, LENGTH, VOCAB = 4, 16, 256
@@ -120,10 +125,12 @@ class Block(nn.Module):
 
 class TinyLM(pl.LightningModule):
     """Embedding, two residual MLP blocks and a head; under ``ModelParallelStrategy``,
-    ``configure_model`` shards every block and the root over the data-parallel mesh (FSDP2)."""
+    ``configure_model`` shards every block and the root over the data-parallel mesh (FSDP2).
+    Once ``nan_flag`` exists, rank 1's next loss is NaN (rank 1 only, as one rank's batch)."""
 
-    def __init__(self, width: int = 32) -> None:
+    def __init__(self, width: int = 32, nan_flag: Path | None = None) -> None:
         super().__init__()
+        self.nan_flag = nan_flag
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, width)
         self.blocks = nn.ModuleList([Block(width), Block(width)])
@@ -145,7 +152,11 @@ class TinyLM(pl.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self(batch["input_ids"][:, :-1])
-        return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten())
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten())
+        if self.global_rank == 1 and self.nan_flag is not None and self.nan_flag.exists():
+            self.nan_flag.unlink()
+            loss = loss * float("nan")
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -167,11 +178,17 @@ def run_lightning(root: Path) -> None:
         callbacks=[callback],
     )
     loader = torch.utils.data.DataLoader(TokenData(2 * BATCH * MAX_STEPS), batch_size=BATCH)
-    trainer.fit(TinyLM(), loader)
+    trainer.fit(TinyLM(nan_flag=root / NAN_FLAG), loader)
 
 
 SCENARIOS = {"hf": run_trainer, "lightning": run_lightning}
+NAN_FLAG = "nan-on-rank-1"
+"""In ROOT: the Lightning run's rank 1 takes a NaN loss at its next step."""
 
 if __name__ == "__main__":
+    if "LOSSGUARD_TEST_COLLECTIVES" in os.environ:
+        record_collectives(
+            Path(os.environ["LOSSGUARD_TEST_COLLECTIVES"]) / f"collectives_{os.environ['RANK']}.txt"
+        )
     for name in sys.argv[2:]:
         SCENARIOS[name](Path(sys.argv[1]))

@@ -201,9 +201,9 @@ def main(out: Path, plan: dict[str, Any]) -> int:
                 (out / f"blocked_{rank}").touch()
                 with collective("all_reduce: the drill's stuck rank"):
                     dist.all_reduce(torch.zeros(1))  # its peers never enter it: stuck
-            for sent in signals:
-                if guard.step == sent["at"]:
-                    os.kill(os.getpid(), getattr(signal, sent["signal"]))
+            for sent in [s for s in signals if s["at"] == guard.step]:
+                signals.remove(sent)  # once: a replay of the step sends none
+                os.kill(os.getpid(), getattr(signal, sent["signal"]))
             guard.poll()
             if guard.step == awaiting:  # once: the replayed steps train on
                 awaiting = None

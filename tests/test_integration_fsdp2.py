@@ -1,8 +1,9 @@
 """The framework callbacks under FSDP2, on 2 CPU processes (``torchrun``, gloo): a
 ``transformers.Trainer`` sharded by accelerate's FSDP2 and a Lightning ``fit`` under
 ``ModelParallelStrategy`` (``tests/fsdp2_callbacks.py``, one launch for both), each watched,
-saved to a ``dcp`` checkpoint, rolled back on every rank and stopped over the control socket.
-What cannot work is refused at start with one line."""
+saved to a ``dcp`` checkpoint, rolled back on every rank and stopped over the control socket;
+the Lightning run's rollback comes after a NaN on rank 1 alone, and every rank must have entered
+the same collectives. What cannot work is refused at start with one line."""
 
 from __future__ import annotations
 
@@ -39,15 +40,17 @@ from lossguard.common.control.client import ControlClient
 from lossguard.common.rundir.checkpoints import read_meta
 from lossguard.common.rundir.names import SOCKET_NAME
 from tests.conftest import REPO, events, free_port, run_cli, stop_process, wait_for
-from tests.fsdp2_callbacks import TinyLM, TokenData, gpt2
+from tests.drill_runs import same_collectives
+from tests.fsdp2_callbacks import NAN_FLAG, TinyLM, TokenData, gpt2
 from tests.integration_checks import scrape
 
 SCENARIOS = ("hf", "lightning")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def operate(run_dir: Path) -> dict[str, Any]:
-    """Scrape the run while paused, save, go on, roll back to the save, go on, stop."""
+def operate(run_dir: Path, nan_flag: Path | None) -> dict[str, Any]:
+    """Scrape the run while paused, save, go on (``nan_flag``: with a NaN on rank 1 only, in the
+    next step), roll back to the save, go on, stop."""
     wait_for((run_dir / "agent.json").exists, 120, f"{run_dir.name}'s agent.json")
     info = json.loads((run_dir / "agent.json").read_text())
     seen: dict[str, Any] = {}
@@ -60,6 +63,8 @@ def operate(run_dir: Path) -> dict[str, Any]:
         paused = seen["paused"] = ctl.request("pause")["step"]
         seen["scrape"] = wait_for(lambda: paused_scrape(info["metrics_urls"]), 60, "the pause")
         seen["saved"] = ctl.request("save")
+        if nan_flag is not None:
+            nan_flag.touch()
         ctl.request("resume")
         wait_for(lambda: step() >= paused + 3, 60, "three more steps")
         ctl.request("pause")
@@ -100,10 +105,13 @@ def launch(root: Path) -> dict[str, dict[str, Any]]:
             stdout=output,
             stderr=output,
             cwd=REPO,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "OMP_NUM_THREADS": "1", "LOSSGUARD_TEST_COLLECTIVES": str(root)},
         )
     try:
-        seen = {name: operate(root / "runs" / name) for name in SCENARIOS}
+        seen = {
+            name: operate(root / "runs" / name, root / NAN_FLAG if name == "lightning" else None)
+            for name in SCENARIOS
+        }
         ranks.wait(120)
     except BaseException as failure:
         stop_process(ranks)  # torchrun passes SIGTERM on to the ranks
@@ -120,6 +128,9 @@ def test_a_sharded_framework_run_is_watched_saved_with_dcp_and_rolled_back_on_ev
     seen = launch(tmp_path)
     for scenario in SCENARIOS:
         check_scenario(tmp_path / "runs" / scenario, seen[scenario], scenario, tmp_path)
+    # the Lightning run rolled back after a NaN on rank 1 alone, every rank in step
+    assert not (tmp_path / NAN_FLAG).exists()
+    same_collectives(tmp_path, 2)
 
 
 def check_scenario(run_dir: Path, seen: dict[str, Any], scenario: str, tmp_path: Path) -> None:

@@ -16,12 +16,10 @@ tests/rank_drill.py), exit codes as docs/exit-codes.md says.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ import pytest
 import requests
 import yaml
 
+from tests.bench_rank_chaos import chaos
 from tests.conftest import (
     REPO,
     events,
@@ -36,83 +35,15 @@ from tests.conftest import (
     json_lines,
     sliced_settings,
     start_monitor,
-    stop_process,
     stop_processes,
     wait_for,
     write_config,
 )
+from tests.drill_runs import ENV, TORCHRUN, finish_drill, same_collectives, start_drill
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 CTL = [sys.executable, "-m", "lossguard.agent.control.ctl"]
 ROLLBACK = {"target": "last_good", "skip_batches": "abandoned"}
 TOKEN = "rank-faults-monitor-token"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-def start_drill(out: Path, plan: dict[str, Any], nproc: int = 2) -> subprocess.Popen[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [
-            *TORCHRUN,
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "tests.rank_drill",
-            str(out),
-            json.dumps(plan),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(out / "drill.log").open("w"),
-        text=True,
-        cwd=REPO,
-        env=ENV,
-    )
-
-
-def finish_drill(
-    process: subprocess.Popen[str], out: Path, nproc: int = 2, timeout: float = 180
-) -> list[dict[str, Any]]:
-    """Every rank's result once the run ended, after checking that the ranks entered the same
-    collectives; a run that does not end within ``timeout`` is a hang, reported with the
-    first collective where the ranks' sequences part."""
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        stop_process(process)
-        raise AssertionError(f"hung: {divergence(out, nproc)}") from None
-    same_collectives(out, nproc)
-    missing = [r for r in range(nproc) if not (out / f"rank_{r}.json").exists()]
-    assert not missing, f"ranks {missing} ended without a result:\n{log_tail(out)}"
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(nproc)]
-
-
-def log_tail(out: Path) -> str:
-    return (out / "drill.log").read_text()[-3000:]
-
-
-def collectives(out: Path, rank: int) -> dict[str, list[str]]:
-    """A rank's collectives in the order it entered them, by thread."""
-    by_thread: dict[str, list[str]] = defaultdict(list)
-    for line in (out / f"collectives_{rank}.txt").read_text().splitlines():
-        thread, name = line.split(" ")
-        by_thread[thread].append(name)
-    return dict(by_thread)
-
-
-def divergence(out: Path, nproc: int) -> str:
-    """Where the ranks' sequences of collectives first differ (or that they do not)."""
-    sequences = [collectives(out, rank) for rank in range(nproc)]
-    for thread in sorted(set().union(*sequences)):
-        lists = [s.get(thread, []) for s in sequences]
-        for i in range(max(map(len, lists))):
-            entered = [seq[i] if i < len(seq) else "nothing" for seq in lists]
-            if len(set(entered)) > 1:
-                ranks = ", ".join(f"rank {r} {name}" for r, name in enumerate(entered))
-                return f"{thread}'s collective #{i + 1}: {ranks}"
-    return "every rank entered the same collectives"
-
-
-def same_collectives(out: Path, nproc: int) -> None:
-    assert divergence(out, nproc) == "every rank entered the same collectives"
 
 
 def assert_identical(results: list[dict[str, Any]], step: int, exit_code: int) -> None:
@@ -234,6 +165,15 @@ def test_a_stop_after_a_one_rank_fault_stops_every_rank(tmp_path: Path, how: str
     assert 24 <= results[0]["step"] < 200
     assert_identical(results, results[0]["step"], code)
     rolled_back(results[0]["answers"][0], 2)
+
+
+def test_chaos_short(tmp_path: Path) -> None:
+    """The chaos benchmark's short version (tests/bench_rank_chaos.py): random faults on random
+    ranks, each met by an operator's action, and a random ending; no hang, every rank identical,
+    the exit code the ending calls for."""
+    (outcome,) = chaos(ranks=2, runs=1, steps=100, seed=3, root=tmp_path)
+    assert not outcome.hung and outcome.identical and outcome.expected_exit, outcome
+    assert outcome.rollbacks >= 2
 
 
 def shipped_monitor(tmp_path: Path, shipped: str, runs: Path) -> tuple[Path, str]:

@@ -188,8 +188,9 @@ class Fp8Fidelity:
         if world == 1:
             return
         for _, shadow in self._pairs:
-            if shadow.grad is not None:
-                all_reduce_sum(shadow.grad, "all_reduce: FP8 fidelity shadow gradients").div_(world)
+            if shadow.grad is None:  # every rank reduces every parameter: the same collectives
+                shadow.grad = torch.zeros_like(shadow)
+            all_reduce_sum(shadow.grad, "all_reduce: FP8 fidelity shadow gradients").div_(world)
 
     @torch.no_grad()
     def _compare(self, loss: torch.Tensor, ref_loss: torch.Tensor) -> torch.Tensor:
