@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from lossguard.common.config import Section, field_error, read_config_file, seconds, validate
 from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
@@ -20,6 +20,8 @@ from lossguard.common.sizes import parse_budget
 
 MIN_TIMEOUT_S = 10.0
 """``distributed.timeout``'s floor: below it a slow step or save would end healthy ranks."""
+MIN_STOP_GRACE_S = 5.0
+"""``distributed.stop_grace``'s floor, for the same reason."""
 DEFAULT_CHECKPOINT_SECONDS = 1800.0
 """The crash path's cadence when ``checkpoint.every`` is not set: a save every 30 minutes."""
 
@@ -275,16 +277,29 @@ class DistributedConfig(Section):
         "group; a Guard's control group). A Prometheus duration, at least 10s.",
     )
 
-    @field_validator("timeout")
+    stop_grace: str = Field(
+        default="20s",
+        description="After a stop signal or stop command: how long a rank may stay blocked in "
+        "one collective before it is taken for stuck and ends with exit code 75. Keep it "
+        "under the scheduler's grace (torchrun and Kubernetes: 30 s) and above the time a "
+        "save takes. A Prometheus duration, at least 5s.",
+    )
+
+    @field_validator("timeout", "stop_grace")
     @classmethod
-    def _timeout_is_a_duration(cls, value: str) -> str:
-        if seconds(value) < MIN_TIMEOUT_S:
-            raise ValueError(f"must be at least {MIN_TIMEOUT_S:.0f}s, not {value!r}")
+    def _at_least(cls, value: str, info: ValidationInfo) -> str:
+        floor = MIN_TIMEOUT_S if info.field_name == "timeout" else MIN_STOP_GRACE_S
+        if seconds(value) < floor:
+            raise ValueError(f"must be at least {floor:.0f}s, not {value!r}")
         return value
 
     @property
     def timeout_s(self) -> float:
         return seconds(self.timeout)
+
+    @property
+    def stop_grace_s(self) -> float:
+        return seconds(self.stop_grace)
 
     @property
     def sharded(self) -> bool:

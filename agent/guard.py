@@ -244,7 +244,11 @@ class Guard:
         # that a rollback to it need not evaluate again
         self._due.snapshot = True
         self._stuck = (
-            StuckRankWatch(timeout_s=self.config.distributed.timeout_s, stop_asked=self._stop_asked)
+            StuckRankWatch(
+                timeout_s=self.config.distributed.timeout_s,
+                grace_s=self.config.distributed.stop_grace_s,
+                stop_asked=self._stop_asked,
+            )
             if self.world_size > 1
             else None
         )

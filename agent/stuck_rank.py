@@ -5,9 +5,9 @@ Python signal handler nor a control command can reach it: the first runs only wh
 thread gets back to Python, the second at the next step boundary. A watch thread sees both
 anyway (the signal through ``signal.set_wakeup_fd``, the command in the control server's queue)
 and ends the rank with the retryable exit code when the main thread is still in one
-collective ``STOP_GRACE_S`` after either, or ``BACKSTOP_S`` past ``distributed.timeout`` (for a
-backend that does not time out by itself). The collective is named in the one line it logs
-(``distributed.collective``).
+collective ``distributed.stop_grace`` after either, or ``BACKSTOP_S`` past
+``distributed.timeout`` (for a backend that does not time out by itself). The collective is
+named in the one line it logs (``distributed.collective``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ from collections.abc import Callable
 from lossguard.agent.distributed import end_rank, in_collective
 from lossguard.agent.stop_signals import STOP_SIGNALS
 
-STOP_GRACE_S = 20.0
-"""After a stop signal or command: how long the main thread may still sit in one collective
-(a save's, or a peer's slow step) before the rank is taken for stuck. Within the 30 s that
-torchrun and Kubernetes leave between SIGTERM and SIGKILL."""
 BACKSTOP_S = 30.0
 """Past ``distributed.timeout``: gloo raises by then, NCCL's watchdog aborts; this is the rest."""
 POLL_S = 0.5
@@ -35,10 +31,13 @@ POLL_S = 0.5
 class StuckRankWatch:
     """Watches the thread that created it (the training loop's) from a daemon thread.
     ``stop_asked``: the name of a stop command waiting for the loop (rank 0's control server),
-    else None."""
+    else None; ``grace_s``: ``distributed.stop_grace``."""
 
-    def __init__(self, *, timeout_s: float, stop_asked: Callable[[], str | None]) -> None:
+    def __init__(
+        self, *, timeout_s: float, grace_s: float, stop_asked: Callable[[], str | None]
+    ) -> None:
         self.timeout_s = timeout_s
+        self.grace_s = grace_s
         self.stop_asked = stop_asked
         self.main = threading.current_thread()
         self.stop_at: tuple[float, str] | None = None  # when the first stop came, and what
@@ -77,7 +76,7 @@ class StuckRankWatch:
         what, since = blocked
         if self.stop_at is not None:
             asked_at, asked = self.stop_at
-            if now - max(asked_at, since) >= STOP_GRACE_S:
+            if now - max(asked_at, since) >= self.grace_s:
                 end_rank(
                     f"{asked} came {now - asked_at:.0f} s ago and this rank is still blocked "
                     f"in {what} (for {now - since:.0f} s)"

@@ -5,11 +5,13 @@ tests/bench_rank_chaos.py under ``torchrun`` (gloo, CPU), with faults on chosen 
 
 PLAN is JSON: ``strategy`` (ddp, fsdp2), ``steps``, ``settings`` (the Guard's config on top of
 the shipped defaults), ``faults`` (``kind``: nan, spike, corrupt, slow; ``ranks``, ``step``,
-``duration``, ``seconds``), ``commands`` (sent by rank 0's operator thread through the real
-control socket once the loop reaches ``at``: ``cmd``, ``args``), ``signals`` (``rank`` sends
-itself ``signal`` at step ``at``), ``block`` (``rank`` enters a collective its peers never
-enter at step ``at``: a stuck rank) and ``await_rollback_at`` (at that step the loop only
-polls, as at an idle boundary, until a rollback moves it: for an operator outside).
+``duration``, ``seconds``; a slow step ``at_boundary`` is slow after its update, so that the
+other ranks wait in the step boundary's collective), ``commands`` (sent by rank 0's operator
+thread through the real control socket once the loop reaches ``at``: ``cmd``, ``args``),
+``signals`` (``rank`` sends itself ``signal`` at step ``at``, ``after`` seconds later),
+``block`` (``rank`` enters a collective its peers never enter at step ``at``: a stuck rank)
+and ``await_rollback_at`` (at that step the loop only polls, as at an idle boundary, until a
+rollback moves it: for an operator outside).
 
 Every rank records its sequence of collectives (every ``torch.distributed`` collective it
 calls, by thread) in ``OUT/collectives_K.txt`` as it makes them, so a test can compare the
@@ -187,8 +189,9 @@ def main(out: Path, plan: dict[str, Any]) -> int:
             tokens = window[:, :-1]
             if any(f["kind"] == "corrupt" for f in now):
                 tokens = torch.randint_like(tokens, VOCAB)
-            if any(f["kind"] == "slow" for f in now):
-                threading.Event().wait(max(f.get("seconds", 1.0) for f in now))
+            slow = [f for f in now if f["kind"] == "slow"]
+            if any(not f.get("at_boundary") for f in slow):
+                threading.Event().wait(max(f.get("seconds", 1.0) for f in slow))
             logits = trained(tokens)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
             loss = perturb(loss, tokens, now)
@@ -203,7 +206,10 @@ def main(out: Path, plan: dict[str, Any]) -> int:
                     dist.all_reduce(torch.zeros(1))  # its peers never enter it: stuck
             for sent in [s for s in signals if s["at"] == guard.step]:
                 signals.remove(sent)  # once: a replay of the step sends none
-                os.kill(os.getpid(), getattr(signal, sent["signal"]))
+                kill = functools.partial(os.kill, os.getpid(), getattr(signal, sent["signal"]))
+                threading.Timer(sent.get("after", 0.0), kill).start()
+            if any(f.get("at_boundary") for f in slow):  # the peers wait in poll's collective
+                threading.Event().wait(max(f.get("seconds", 1.0) for f in slow))
             guard.poll()
             if guard.step == awaiting:  # once: the replayed steps train on
                 awaiting = None

@@ -176,6 +176,22 @@ def test_chaos_short(tmp_path: Path) -> None:
     assert outcome.rollbacks >= 2
 
 
+def test_a_stop_while_a_peer_takes_a_long_step_is_not_taken_for_stuck(tmp_path: Path) -> None:
+    """Rank 1 spends 12 s after its update (a slow host) while rank 0 waits in the step
+    boundary's collective; SIGTERM reaches rank 0 2 s in. The wait ends inside
+    ``distributed.stop_grace``: both ranks stop together at the next boundary, saved, exit 3
+    (not 75)."""
+    plan = {
+        "steps": 100,
+        "settings": {"train": {"log_every": 5}},
+        "faults": [{"kind": "slow", "ranks": [1], "step": 20, "seconds": 12, "at_boundary": True}],
+        "signals": [{"rank": 0, "at": 20, "signal": "SIGTERM", "after": 2.0}],
+    }
+    results = finish_drill(start_drill(tmp_path, plan), tmp_path)
+    assert_identical(results, 21, 3)  # the signal is acted on at the next boundary
+    assert "exiting 75" not in (tmp_path / "drill.log").read_text()
+
+
 def shipped_monitor(tmp_path: Path, shipped: str, runs: Path) -> tuple[Path, str]:
     """A shipped monitor config with only its paths and port changed for this machine."""
     settings = yaml.safe_load((REPO / shipped).read_text())

@@ -1,0 +1,102 @@
+"""What the one collective of every step boundary costs: ``Guard.poll()`` with nothing due (one
+gloo all-reduce of two integers on the control group: the commands rank 0 has queued and any
+rank's stop signal), against the same Guard loop's training step, at 2 and 4 ranks on CPU:
+
+    python -m tests.bench_step_collectives [--ranks 2,4] [--polls 2000] [--steps 200]
+
+Each rank times ``--polls`` polls back to back and ``--steps`` steps of tests/rank_drill.py's
+model (DDP, batch 8 x 16 tokens: a step far shorter than a real one, so the ratio is an upper
+bound); rank 0 prints the medians of five rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROUNDS = 5
+
+
+def rank_main(out: Path, polls: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lossguard.agent import Guard
+    from lossguard.agent.config import parse_config
+    from tests.rank_drill import CONTEXT, VOCAB, TinyLM
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = TinyLM()
+    trained = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    config = parse_config(
+        {"telemetry": {"host": "127.0.0.1", "port": 0}, "snapshot": {"every": None}}
+    )
+    guard = Guard(out / "run", model=model, optimizer=opt, config=config, progress=False)
+    tokens = torch.randint(0, VOCAB, (8, CONTEXT + 1))
+
+    def step() -> None:
+        loss = nn.functional.cross_entropy(
+            trained(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()
+        )
+        loss.backward()
+        guard.after_backward(loss, tokens=tokens[:, :-1].numel())
+        opt.step()
+        opt.zero_grad()
+        guard.end_step()
+        guard.poll()
+
+    step()
+    poll_us, step_ms = [], []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(polls):
+            guard.poll()
+        poll_us.append((time.perf_counter() - start) / polls * 1e6)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        step_ms.append((time.perf_counter() - start) / steps * 1e3)
+    guard.close()
+    if dist.get_rank() == 0:
+        result = {"poll_us": statistics.median(poll_us), "step_ms": statistics.median(step_ms)}
+        (out / "result.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--polls", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    print(f"{'ranks':>5}  {'poll (us)':>10}  {'step (ms)':>10}  {'poll / step':>11}")
+    for ranks in [int(r) for r in args.ranks.split(",")]:
+        with tempfile.TemporaryDirectory() as root:
+            subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={ranks}", "-m", "tests.bench_step_collectives",
+                 "--rank", root, str(args.polls), str(args.steps)],
+                check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            result = json.loads((Path(root) / "result.json").read_text())
+        poll_us, step_ms = result["poll_us"], result["step_ms"]
+        print(f"{ranks:>5}  {poll_us:>10.1f}  {step_ms:>10.2f}  {poll_us / 1e3 / step_ms:>11.2%}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rank"]:
+        rank_main(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main()
