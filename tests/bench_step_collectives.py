@@ -1,12 +1,14 @@
 """What the one collective of every step boundary costs: ``Guard.poll()`` with nothing due (one
 gloo all-reduce of two integers on the control group: the commands rank 0 has queued and any
-rank's stop signal), against the same Guard loop's training step, at 2 and 4 ranks on CPU:
+rank's stop signal), at 2 and 4 ranks on CPU:
 
     python -m tests.bench_step_collectives [--ranks 2,4] [--polls 2000] [--steps 200]
 
-Each rank times ``--polls`` polls back to back and ``--steps`` steps of tests/rank_drill.py's
-model (DDP, batch 8 x 16 tokens: a step far shorter than a real one, so the ratio is an upper
-bound); rank 0 prints the medians of five rounds.
+Each rank times ``--polls`` polls back to back (each waits for the all-reduce the one before
+started: the latency of one, as a synchronous boundary would pay it every step), then
+``--steps`` steps of tests/rank_drill.py's model (DDP, batch 8 x 16 tokens) with and without a
+poll after each: the difference is what the boundary adds to a step when its all-reduce runs
+during the step. Rank 0 prints the medians of five rounds.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def rank_main(out: Path, polls: int, steps: int) -> None:
     guard = Guard(out / "run", model=model, optimizer=opt, config=config, progress=False)
     tokens = torch.randint(0, VOCAB, (8, CONTEXT + 1))
 
-    def step() -> None:
+    def step(boundary: bool = True) -> None:
         loss = nn.functional.cross_entropy(
             trained(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()
         )
@@ -54,22 +56,28 @@ def rank_main(out: Path, polls: int, steps: int) -> None:
         opt.step()
         opt.zero_grad()
         guard.end_step()
-        guard.poll()
+        if boundary:
+            guard.poll()
 
     step()
-    poll_us, step_ms = [], []
+    poll_us, step_ms, bare_ms = [], [], []
     for _ in range(ROUNDS):
         start = time.perf_counter()
         for _ in range(polls):
             guard.poll()
         poll_us.append((time.perf_counter() - start) / polls * 1e6)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        step_ms.append((time.perf_counter() - start) / steps * 1e3)
+        for timed, boundary in ((step_ms, True), (bare_ms, False)):
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(boundary)
+            timed.append((time.perf_counter() - start) / steps * 1e3)
     guard.close()
     if dist.get_rank() == 0:
-        result = {"poll_us": statistics.median(poll_us), "step_ms": statistics.median(step_ms)}
+        result = {
+            "poll_us": statistics.median(poll_us),
+            "step_ms": statistics.median(step_ms),
+            "bare_ms": statistics.median(bare_ms),
+        }
         (out / "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -80,7 +88,10 @@ def main() -> None:
     parser.add_argument("--polls", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    print(f"{'ranks':>5}  {'poll (us)':>10}  {'step (ms)':>10}  {'poll / step':>11}")
+    print(
+        f"{'ranks':>5}  {'polls back to back (us)':>23}  {'step, no poll (ms)':>18}  "
+        f"{'step + poll (ms)':>16}  {'poll in the step (us)':>21}"
+    )
     for ranks in [int(r) for r in args.ranks.split(",")]:
         with tempfile.TemporaryDirectory() as root:
             subprocess.run(
@@ -91,8 +102,9 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             result = json.loads((Path(root) / "result.json").read_text())
-        poll_us, step_ms = result["poll_us"], result["step_ms"]
-        print(f"{ranks:>5}  {poll_us:>10.1f}  {step_ms:>10.2f}  {poll_us / 1e3 / step_ms:>11.2%}")
+        poll_us, step_ms, bare_ms = result["poll_us"], result["step_ms"], result["bare_ms"]
+        added = (step_ms - bare_ms) * 1e3
+        print(f"{ranks:>5}  {poll_us:>23.0f}  {bare_ms:>18.2f}  {step_ms:>16.2f}  {added:>21.0f}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ other ranks wait in the step boundary's collective), ``commands`` (sent by rank 
 thread through the real control socket once the loop reaches ``at``: ``cmd``, ``args``),
 ``signals`` (``rank`` sends itself ``signal`` at step ``at``, ``after`` seconds later),
 ``block`` (``rank`` enters a collective its peers never enter at step ``at``: a stuck rank)
-and ``await_rollback_at`` (at that step the loop only polls, as at an idle boundary, until a
-rollback moves it: for an operator outside).
+``await_rollback_at`` (at that step the loop only polls, as at an idle boundary, until a
+rollback moves it: for an operator outside) and ``hold_at`` (at that step the loop only polls
+until the file ``OUT/release`` exists).
 
 Every rank records its sequence of collectives (every ``torch.distributed`` collective it
 calls, by thread) in ``OUT/collectives_K.txt`` as it makes them, so a test can compare the
@@ -136,6 +137,14 @@ class Steps:
                     event.set()
 
 
+def released(flag: Path) -> bool:
+    """Whether ``flag`` exists on any rank's view (one all-reduce: every rank leaves the hold
+    at the same poll)."""
+    seen = torch.tensor([int(flag.exists())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return bool(seen.item())
+
+
 def perturb(loss: torch.Tensor, tokens: torch.Tensor, faults: list[dict[str, Any]]) -> Any:
     """This rank's faults of the step about to run: the loss (NaN, spike) and the batch."""
     for fault in faults:
@@ -181,6 +190,7 @@ def main(out: Path, plan: dict[str, Any]) -> int:
     signals = [s for s in plan.get("signals", []) if s["rank"] == rank]
     block = plan.get("block")
     awaiting = plan.get("await_rollback_at")
+    holding = plan.get("hold_at")
     done = False
     while not done and not guard.stop_requested:
         for (window,) in loader:
@@ -214,6 +224,11 @@ def main(out: Path, plan: dict[str, Any]) -> int:
             if guard.step == awaiting:  # once: the replayed steps train on
                 awaiting = None
                 while guard.step == step and not guard.stop_requested:
+                    threading.Event().wait(0.01)
+                    guard.poll()
+            if guard.step == holding:
+                holding = None
+                while not released(out / "release") and not guard.stop_requested:
                     threading.Event().wait(0.01)
                     guard.poll()
             reached.reached(guard.step)

@@ -68,7 +68,7 @@ def test_rollback_after_a_nan_on_one_rank_trains_to_the_last_step(tmp_path: Path
         "steps": 300,
         "settings": {"train": {"log_every": 10}, "checkpoint": {"every": 100}},
         "faults": [{"kind": "nan", "ranks": [1], "step": 160}],
-        "await_rollback_at": 255,
+        "hold_at": 255,  # polls only, until released: the run is there for both commands
     }
     drill = start_drill(tmp_path, plan)
     run_dir = tmp_path / "run"
@@ -89,9 +89,15 @@ def test_rollback_after_a_nan_on_one_rank_trains_to_the_last_step(tmp_path: Path
         assert rollback.returncode == 0, rollback.stderr
         assert rollback.stdout.startswith("rolled back from step 255 to step 250")
         status = subprocess.run(
-            [*ctl, "--timeout", "5", "status"], capture_output=True, text=True, timeout=60, env=ENV
+            [*ctl, "--timeout", "5", "--json", "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=ENV,
         )
         assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["step"] == 250
+        (tmp_path / "release").touch()
     finally:
         results = finish_drill(drill, tmp_path)
     assert_identical(results, 300, 0)
