@@ -440,7 +440,6 @@ class FaultConfig(Section):
     )
     ranks: list[int] | None = Field(
         default=None,
-        min_length=1,
         description="The ranks it perturbs (null: every rank), as a fault on one rank's batch "
         "or host is in a real run.",
     )
@@ -448,6 +447,8 @@ class FaultConfig(Section):
     @field_validator("ranks")
     @classmethod
     def _distinct_ranks(cls, ranks: list[int] | None) -> list[int] | None:
+        if ranks is not None and not ranks:
+            raise ValueError("must list at least one rank (leave it out for every rank)")
         if ranks is not None and (min(ranks) < 0 or len(set(ranks)) != len(ranks)):
             raise ValueError(f"must be distinct ranks >= 0, not {ranks}")
         return ranks

@@ -60,7 +60,9 @@ def rank_main(out: Path, polls: int, steps: int) -> None:
             guard.poll()
 
     step()
-    poll_us, step_ms, bare_ms = [], [], []
+    poll_us: list[float] = []
+    step_ms: list[float] = []
+    bare_ms: list[float] = []
     for _ in range(ROUNDS):
         start = time.perf_counter()
         for _ in range(polls):

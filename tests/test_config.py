@@ -49,6 +49,21 @@ def test_shipped_gpt2_config_names_its_missing_data() -> None:
         ({"train": 3}, "train: must be a mapping of keys"),
         ({"train": {"lr": float("inf")}}, "train.lr: must be a finite number"),
         ({"control": {"tcp": "nohost"}}, "control.tcp: must be HOST:PORT"),
+        ({"distributed": {"timeout": "5s"}}, "distributed.timeout: must be at least 10s, not '5s'"),
+        ({"distributed": {"timeout": "soon"}}, "distributed.timeout: not a valid duration: 'soon'"),
+        ({"distributed": {"stop_grace": "1s"}}, "distributed.stop_grace: must be at least 5s"),
+        (
+            {"faults": [{"kind": "crash", "step": 1, "ranks": [1, 1]}]},
+            "faults.0.ranks: must be distinct ranks >= 0",
+        ),
+        (
+            {"faults": [{"kind": "crash", "step": 1, "ranks": [-1]}]},
+            "faults.0.ranks: must be distinct ranks >= 0",
+        ),
+        (
+            {"faults": [{"kind": "crash", "step": 1, "ranks": []}]},
+            "faults.0.ranks: must list at least one rank",
+        ),
     ],
 )
 def test_bad_values_name_key_and_reason(data: dict, message: str) -> None:

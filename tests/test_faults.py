@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from lossguard.agent.config import FaultConfig
-from lossguard.agent.train.faults import FaultInjector
+from lossguard.agent.config import FaultConfig, parse_config
+from lossguard.agent.train.faults import FaultInjector, check_fault_ranks
+from lossguard.common.config import ConfigError
 from tests.conftest import run_cli, sliced_settings, write_config
 
 
@@ -45,6 +47,38 @@ def test_a_once_fault_spares_the_replay_and_a_plain_one_recurs() -> None:
     loss = torch.tensor(1.0)
     injector.before_step(8)
     assert torch.equal(injector.loss(loss), loss)
+
+
+def test_a_fault_for_one_rank_perturbs_only_it_and_is_audited_by_rank_0() -> None:
+    model = torch.nn.Linear(2, 2)
+    recorded: list[dict[str, Any]] = []
+    nan = FaultConfig(kind="nonfinite_loss", step=3, ranks=[1])
+    injectors = [
+        FaultInjector(
+            [nan],
+            seed=0,
+            vocab_size=8,
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            event=lambda _event, **fault: recorded.append(fault),
+            rank=rank,
+        )
+        for rank in (0, 1)
+    ]
+    loss = torch.tensor(1.0)
+    for injector in injectors:
+        injector.before_step(3)
+    assert torch.equal(injectors[0].loss(loss), loss)
+    assert torch.isnan(injectors[1].loss(loss))
+    assert [fault["ranks"] for fault in recorded] == [[1], [1]]  # rank 0's is the audited one
+
+
+def test_a_fault_for_a_rank_the_run_lacks_is_refused_in_one_line() -> None:
+    cfg = parse_config({"faults": [{"kind": "crash", "step": 1, "ranks": [0, 3]}]})
+    check_fault_ranks(cfg, 4)
+    with pytest.raises(ConfigError) as refused:
+        check_fault_ranks(cfg, 2)
+    assert str(refused.value) == "faults[0].ranks: rank 3 is not in this run of 2 ranks"
 
 
 def test_slow_save_holds_a_synchronous_checkpoint_and_only_it(
