@@ -110,7 +110,11 @@ class DataConfig(Section):
     )
     max_bytes: int | None = Field(default=None, gt=0, description="Cap on the text corpus size.")
     val_fraction: float = Field(default=0.05, gt=0.0, lt=1.0)
-    cache_dir: Path | None = Field(default=None, description="Default: <run.dir>/.cache.")
+    cache_dir: Path | None = Field(
+        default=None,
+        description="Where tokenised text is cached, a folder of this user's (0700). Default: "
+        "<run.dir>/.cache-<uid>.",
+    )
 
     @model_validator(mode="after")
     def _path_fits_kind(self) -> DataConfig:

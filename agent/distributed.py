@@ -1,7 +1,7 @@
 """torchrun integration: process group, device placement and lossguard's collectives.
 
 Every collective the agent makes goes through :func:`collective`, named for what it is for
-(``docs/sharded.md#collectives`` lists them): a rank that is stuck in one can say which, and a
+(``docs/distributed.md`` lists them): a rank that is stuck in one can say which, and a
 failed one (a peer gone, ``distributed.timeout`` passed) ends the rank with the retryable exit
 code instead of leaving it half-way through a step.
 """
@@ -35,7 +35,7 @@ _in_flight: dict[int, tuple[str, float]] = {}
 
 @contextlib.contextmanager
 def collective(what: str) -> Iterator[None]:
-    """Around one collective, named ``what`` (e.g. ``all_reduce: control commands``): the
+    """Around one collective, named ``what`` (e.g. ``all_reduce: commands and signals``): the
     calling thread is marked as inside it, and if it fails (a peer gone, the group's timeout),
     the rank ends at once with one line naming it and the retryable exit code: the group is
     unusable and the other ranks are gone or stuck, so nothing collective can follow."""
@@ -62,7 +62,7 @@ def end_rank(why: str) -> NoReturn:
     scheduler) restarts every node from the newest checkpoint."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     log.critical(
-        "rank %d: %s; exiting %d (retryable): restart from the newest checkpoint",
+        "rank %d: %s; exiting %d (retryable)",
         rank,
         why,
         EXIT_RETRYABLE,

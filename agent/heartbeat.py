@@ -10,16 +10,22 @@ import threading
 import time
 from pathlib import Path
 
+from lossguard.common.ownership import PRIVATE_DIR
 from lossguard.common.rundir.files import write_atomically
 from lossguard.common.rundir.heartbeat import HEARTBEAT_S, heartbeat_path, heartbeat_text
 
 
 class Heartbeat:
-    def __init__(self, run_dir: Path, interval_s: float = HEARTBEAT_S) -> None:
+    def __init__(
+        self, run_dir: Path, interval_s: float = HEARTBEAT_S, *, dir_mode: int = PRIVATE_DIR
+    ) -> None:
+        """``dir_mode``: the run directory's (``run.mode``); the file gets it less execute."""
         self.hostname = socket.gethostname()
         self.pid = os.getpid()
         self.path = heartbeat_path(run_dir, self.hostname, self.pid)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.chmod(dir_mode)
+        self.file_mode = dir_mode & 0o666
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._beat()
@@ -28,7 +34,8 @@ class Heartbeat:
 
     def _beat(self) -> None:
         with contextlib.suppress(OSError):  # a full or lost disk: the monitor sees silence
-            write_atomically(self.path, heartbeat_text(self.hostname, self.pid, time.time()))
+            text = heartbeat_text(self.hostname, self.pid, time.time())
+            write_atomically(self.path, text, mode=self.file_mode)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -185,6 +185,7 @@ def open_run(
         keep_last=config.checkpoint.keep_last,
         config_hash=config.digest(),
         versions=package_versions(),
+        dir_mode=run_dir.dir_mode,
     )
     run_dir.write_discovery(
         run_id=run_id,
@@ -194,7 +195,7 @@ def open_run(
     )
     if progress is not None:
         sinks.append(DisplaySink(make_progress(*progress)))
-    heartbeat = Heartbeat(path)  # from agent.json on: a remote monitor's sign
+    heartbeat = Heartbeat(path, dir_mode=run_dir.dir_mode)  # from agent.json on: a remote sign
     return OpenedRun(control, checkpoints, sinks, heartbeat)
 
 

@@ -130,3 +130,49 @@ def test_the_prometheus_config_passes_promtool(tmp_path: Path) -> None:
         ["promtool", "check", "config", str(config)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def pod_specs() -> list[dict[str, Any]]:
+    return [o["spec"]["template"]["spec"] for o in objects() if o["kind"] in ("Job", "Deployment")]
+
+
+def test_every_pod_runs_unprivileged() -> None:
+    """Non-root (the images' user), no privilege escalation, no capabilities, a read-only root
+    filesystem (writes go to volumes), the runtime's seccomp profile."""
+    specs = pod_specs()
+    assert len(specs) == 2
+    for spec in specs:
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == 10001  # deploy/*.Dockerfile's user
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["capabilities"] == {"drop": ["ALL"]}
+    for dockerfile in ("agent", "monitor"):
+        assert "--uid 10001" in (REPO / f"deploy/{dockerfile}.Dockerfile").read_text()
+
+
+def test_network_policies_admit_only_prometheus_the_monitor_and_the_run() -> None:
+    """The agent's control and exporters and the monitor listen on 0.0.0.0: a policy per pod
+    kind admits only their peers."""
+    train = named("NetworkPolicy", "lossguard-train")["spec"]
+    assert train["podSelector"]["matchLabels"] == {"job-name": "lossguard-train"}
+    sources = {
+        frozenset(peer["podSelector"]["matchLabels"].items()): sorted(
+            p["port"] for p in rule.get("ports", [{"port": "any"}])
+        )
+        for rule in train["ingress"]
+        for peer in rule["from"]
+    }
+    assert sources == {
+        frozenset({("job-name", "lossguard-train")}): ["any"],
+        frozenset({("app.kubernetes.io/name", "lossguard-monitor")}): [9408, 9410, 9420],
+        frozenset({("app.kubernetes.io/name", "prometheus")}): [9408, 9410],
+    }
+    monitor = named("NetworkPolicy", "lossguard-monitor")["spec"]
+    (rule,) = monitor["ingress"]
+    peers = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for peer in rule["from"]]
+    assert peers == ["prometheus", "alertmanager"] and rule["ports"] == [{"port": 9409}]
+    assert train["policyTypes"] == monitor["policyTypes"] == ["Ingress"]

@@ -115,3 +115,43 @@ def test_a_team_folder_with_setgid_shares_the_run_with_its_group(tmp_path: Path)
     assert stat.S_IMODE(os.stat(run.path).st_mode) == 0o2750
     assert {os.stat(p).st_gid for p in (run.path, *(run.path / n for n in RECORDS))} == {NOBODY}
     assert {mode(run.path / name) for name in RECORDS} == {0o640}
+
+
+@pytest.mark.parametrize(
+    ("run_mode", "dir_mode", "file_mode"), [(None, 0o700, 0o600), ("0750", 0o750, 0o640)]
+)
+def test_everything_a_run_writes_takes_the_runs_modes(
+    tmp_path: Path, run_mode: str | None, dir_mode: int, file_mode: int
+) -> None:
+    """Checkpoints (folders and files), heartbeats and the report, whatever the umask: the
+    run's modes (0700/0600 by default), as its records."""
+    import torch
+
+    from lossguard.agent import Guard
+    from lossguard.agent.config import parse_config
+    from lossguard.monitor.report import write_report
+    from tests.test_snapshots import train
+
+    old = os.umask(0o022)
+    try:
+        run = {"mode": run_mode} if run_mode else {}
+        cfg = parse_config({"run": run, "telemetry": {"host": "127.0.0.1", "port": 0}})
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        run_dir = tmp_path / "r"
+        with Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False) as guard:
+            train(guard, model, opt, 3)
+            guard.save(wait=True)
+            (beat,) = (run_dir / "heartbeats").iterdir()  # removed when the run ends
+            beat_mode = mode(beat)
+        write_report(run_dir, tmp_path / "report")
+    finally:
+        os.umask(old)
+    (checkpoint,) = [p for p in (run_dir / "checkpoints").iterdir() if p.name == "step_00000003"]
+    folders = [run_dir / "checkpoints", checkpoint, run_dir / "heartbeats"]
+    assert {str(p): mode(p) for p in folders} == {str(p): dir_mode for p in folders}
+    files = [*checkpoint.iterdir(), *(tmp_path / "report").iterdir()]
+    assert {p.name: mode(p) for p in files} == dict.fromkeys(
+        ["meta.json", "state.pt", "report.html", "report.png"], file_mode
+    )
+    assert beat_mode == file_mode

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from lossguard.agent.checkpoint.background import start_writer
+from lossguard.common.ownership import PRIVATE_DIR
 from lossguard.common.rundir.checkpoints import (
     META_FILE,
     NAME_RE,
@@ -83,7 +84,10 @@ class CheckpointStore:
         keep_last: int,
         config_hash: str | None = None,
         versions: dict[str, str | None] | None = None,
+        dir_mode: int = PRIVATE_DIR,
     ) -> None:
+        """``dir_mode``: the run directory's (``run.mode``): its checkpoint folders get it, their
+        files it less execute, whatever the umask."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, not {keep_last}")
         self.root = Path(root)
@@ -96,7 +100,9 @@ class CheckpointStore:
         self._writer: threading.Thread | None = None
         self.write_delay_s = 0.0
         """Seconds added to each write (the ``slow_save`` fault drill: a slow filesystem)."""
+        self.dir_mode = dir_mode
         self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(dir_mode)
         for entry in self.root.iterdir():
             if entry.name.startswith(_HIDDEN_PREFIXES):
                 remove(entry)
@@ -350,7 +356,7 @@ class CheckpointStore:
         """A new hidden folder for the files of checkpoint ``name``, invisible to readers
         (and removed when a store opens) until ``commit``."""
         tmp = self.root / f".tmp-{name}-{secrets.token_hex(4)}"
-        tmp.mkdir()
+        tmp.mkdir(mode=PRIVATE_DIR)
         return tmp
 
     def commit(
@@ -387,6 +393,10 @@ class CheckpointStore:
                 **fields,
             )
             write_json_synced(tmp / META_FILE, meta.to_dict())
+            for written in tmp.iterdir():  # as the writers' umask made them: the run's modes
+                if written.is_file():
+                    written.chmod(self.dir_mode & 0o666)
+            tmp.chmod(self.dir_mode)
             fsync_dir(tmp)
             self._publish(tmp, name)
         except Exception as exc:

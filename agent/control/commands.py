@@ -32,6 +32,8 @@ from lossguard.common.rundir.targets import listing, named_states
 log = logging.getLogger("lossguard.agent")
 
 PAUSED_WAIT_S = 0.2
+GATHER = "all_reduce: commands and signals"
+BROADCAST = "broadcast_object_list: commands"
 
 
 class Controllable(Protocol):
@@ -111,15 +113,10 @@ class CommandRunner:
         of any rank (``signalled``: this one's, ``StopSignals.kind``)."""
         control = self.control
         pending = control.take(PAUSED_WAIT_S if wait else 0.0) if control is not None else []
-        counts = all_reduce_max(
-            [len(pending), signalled], self.group, "all_reduce: commands and signals"
-        )
-        count, any_signalled = counts
+        count, any_signalled = all_reduce_max([len(pending), signalled], self.group, GATHER)
         requests = [p.request for p in pending]
         if count and self.world_size > 1:
-            requests = broadcast_objects([requests], self.group, "broadcast_object_list: commands")[
-                0
-            ]
+            (requests,) = broadcast_objects([requests], self.group, BROADCAST)
         handles: list[PendingCommand | None] = list(pending) or [None] * len(requests)
         return list(zip(requests, handles, strict=True)), int(any_signalled)
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lossguard.agent.config import Config
+from lossguard.agent.train.corpus import cache_dir
 from lossguard.common.config import ConfigError
 
 
@@ -121,7 +122,7 @@ def bench_checkpoint(cfg: Config, repeats: int) -> CheckpointBenchResult:
 def scratch_config(cfg: Config, scratch: Path, run_id: str) -> Config:
     """The same run in a scratch run directory, keeping the data cache where it was."""
     run = cfg.model_copy(deep=True)
-    run.data.cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"
+    run.data.cache_dir = cache_dir(cfg.data, cfg.run.dir)
     run.run.dir = scratch
     run.run.id = run_id
     return run

@@ -21,6 +21,7 @@ import numpy as np
 
 from lossguard.agent.config import DataConfig
 from lossguard.common.config import ConfigError
+from lossguard.common.ownership import PRIVATE_DIR, distrust
 
 BYTE_VOCAB_SIZE = 256
 GPT2_PADDED_VOCAB_SIZE = 50304
@@ -93,13 +94,37 @@ def _read_utf8_corpus(files: list[Path], max_bytes: int | None) -> bytes:
     return corpus[:max_bytes] if max_bytes is not None else corpus
 
 
+def cache_dir(cfg: DataConfig, runs: Path) -> Path:
+    """Where tokenised text is cached: ``data.cache_dir``, else this user's own folder in the
+    runs folder, ``<run.dir>/.cache-<uid>`` (in a shared runs folder, another user's files are
+    never taken for it)."""
+    return cfg.cache_dir if cfg.cache_dir is not None else runs / f".cache-{os.geteuid()}"
+
+
+def claim_cache(folder: Path) -> None:
+    """Make ``folder`` this user's private cache (0700), or check that the existing one is:
+    owned by this user, writable by no one else, not a symbolic link. Anyone who can write in
+    it could plant the tokens a run trains on; anyone who can read it, read the data."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=PRIVATE_DIR)
+    except FileExistsError:
+        why = distrust(folder, frozenset({os.geteuid()}))
+        if why is not None:
+            raise DataError(
+                f"data cache: {why}; set data.cache_dir to a folder of your own"
+            ) from None
+    folder.chmod(PRIVATE_DIR)
+
+
 def _write_splits(out_dir: Path, tokens: np.ndarray, val_fraction: float) -> None:
-    """Write train.bin/val.bin into ``out_dir``, which appears whole or not at all."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    """Write train.bin/val.bin (0600) into ``out_dir`` (0700), which appears whole or not at
+    all."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     cut = int(len(tokens) * (1.0 - val_fraction))
     for name, part in (("train.bin", tokens[:cut]), ("val.bin", tokens[cut:])):
-        with open(tmp / name, "wb") as fh:
+        private = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(private, "wb") as fh:
             part.astype(TOKEN_DTYPE).tofile(fh)
             fh.flush()
             os.fsync(fh.fileno())
@@ -112,11 +137,13 @@ def _write_splits(out_dir: Path, tokens: np.ndarray, val_fraction: float) -> Non
 
 
 def prepare_text_corpus(cfg: DataConfig, cache_dir: Path) -> Path:
-    """Tokenise UTF-8 text as bytes into a cached train.bin/val.bin folder and return it."""
+    """Tokenise UTF-8 text as bytes into a cached train.bin/val.bin folder of ``cache_dir``
+    (``claim_cache``) and return it."""
     root = cfg.path if cfg.path is not None else stdlib_source_dir()
     files = text_files(root, cfg.include)
     if not files:
         raise DataError(f"data.path: no files matching {cfg.include} under {root}")
+    claim_cache(cache_dir)
     out_dir = cache_dir / f"text-{_corpus_key(root, files, cfg)}"
     if (out_dir / "val.bin").is_file():
         return out_dir

@@ -34,7 +34,7 @@ from lossguard.agent.precision import (
     precompute_fp8_scales,
 )
 from lossguard.agent.start_plan import check_start, run_path, start_plan
-from lossguard.agent.train.corpus import Batch, BatchSampler, load_data
+from lossguard.agent.train.corpus import Batch, BatchSampler, cache_dir, load_data
 from lossguard.agent.train.faults import FaultInjector, check_fault_ranks
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
@@ -120,12 +120,12 @@ class Trainer:
         self.run_path = cfg.run.dir / str(cfg.run.id)
         seed_everything(cfg.run.seed)
 
-        cache_dir = cfg.data.cache_dir or cfg.run.dir / ".cache"
+        cache = cache_dir(cfg.data, cfg.run.dir)
         if self.dist.is_main:  # rank 0 tokenises and caches; the others then read the cache
-            self.data = load_data(cfg.data, cache_dir, cfg.model.vocab_size)
+            self.data = load_data(cfg.data, cache, cfg.model.vocab_size)
         barrier("barrier: data cache ready")
         if not self.dist.is_main:
-            self.data = load_data(cfg.data, cache_dir, cfg.model.vocab_size)
+            self.data = load_data(cfg.data, cache, cfg.model.vocab_size)
         self.sampler = BatchSampler(
             self.data,
             block_size=cfg.model.block_size,

@@ -99,7 +99,9 @@ class RunDirectory:
             claim_directory(self.path, mode)
         except ValueError as exc:
             raise ConfigError(f"run.dir: {exc}") from None
-        self.file_mode = (PRIVATE_DIR if mode is None else mode) & 0o666
+        self.dir_mode = PRIVATE_DIR if mode is None else mode
+        """The mode of the folders a run writes (checkpoints, heartbeats)."""
+        self.file_mode = self.dir_mode & 0o666
         self.metrics = JsonlLog(self.path / METRICS_LOG, self.file_mode)
         self.events = JsonlLog(self.path / EVENTS_LOG, self.file_mode)
 
