@@ -19,6 +19,8 @@ from lossguard.common.config import (
     seconds,
     validate,
 )
+from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
+from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
 from lossguard.common.ownership import user_ids
 from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.notify.config import NotificationsConfig
@@ -124,8 +126,16 @@ class ListenConfig(Section):
 
 def webhook_token(listen: ListenConfig, environ: Mapping[str, str] | None = None) -> str | None:
     """The bearer token of the endpoints that can make the monitor act (Alertmanager's
-    webhook and control) from ``$listen.token_env``; None: not set, and both are off."""
-    return (os.environ if environ is None else environ).get(listen.token_env) or None
+    webhook and control) from ``$listen.token_env``; None: not set, and both are off. One
+    shorter than the agent's minimum (a placeholder such as ``REPLACE-ME``, a word) is a
+    ConfigError: it would be guessed."""
+    token = (os.environ if environ is None else environ).get(listen.token_env) or None
+    if token is not None and len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"${listen.token_env} (listen.token_env): the token must be at least "
+            f"{MIN_TOKEN_LENGTH} characters, not {len(token)} (make one with openssl rand -hex 32)"
+        )
+    return token
 
 
 class MonitorConfig(Section):

@@ -8,6 +8,9 @@ import dataclasses
 import http.client
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ import requests
 import yaml
 from prometheus_client import CollectorRegistry
 
+from lossguard.common.config import ConfigError
 from lossguard.monitor.actions.engine import Refusal
 from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_webhook
 from lossguard.monitor.config import ListenConfig, webhook_token
@@ -24,7 +28,7 @@ from lossguard.monitor.http.ops import ALERTMANAGER_PATH
 from lossguard.monitor.http.server import MAX_BODY_BYTES, MonitorServer
 from tests.alert_stack import webhook_receiver
 from tests.amserver import alertmanager, amtool, capture_server
-from tests.conftest import REPO, wait_for
+from tests.conftest import REPO, wait_for, write_monitor_config
 
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "s3cret-t0ken-for-tests"
@@ -369,3 +373,28 @@ def test_the_shipped_alertmanager_config_sends_action_alerts_to_the_monitor_and_
     (webhook,) = receiver["webhook_configs"]
     assert webhook["url"].endswith(ALERTMANAGER_PATH) and webhook["send_resolved"] is True
     assert "credentials_file" in webhook["http_config"]["authorization"]
+
+
+@pytest.mark.parametrize("short", ["a", "REPLACE-ME", "fifteen-chars-x"])
+def test_a_short_monitor_token_is_refused_at_start(short: str, tmp_path: Path) -> None:
+    """The agent's minimum length holds for the monitor's token too: ``a`` or the Kubernetes
+    Secret's placeholder would be guessed. The monitor does not start (exit 2, one line)."""
+    with pytest.raises(ConfigError) as refused:
+        webhook_token(ListenConfig(), {TOKEN_ENV: short})
+    assert str(refused.value) == (
+        f"${TOKEN_ENV} (listen.token_env): the token must be at least 16 characters, not "
+        f"{len(short)} (make one with openssl rand -hex 32)"
+    )
+    assert webhook_token(ListenConfig(), {TOKEN_ENV: "x" * 16}) == "x" * 16
+    secret = yaml.safe_load((REPO / "deploy/kubernetes/secret.yaml").read_text())
+    assert short != "REPLACE-ME" or secret["stringData"]["monitor-token"] == short
+    if short == "a":
+        rules = [REPO / "alerts/lossguard.rules.yml"]
+        scrape = {"runs_root": str(tmp_path)}
+        config, _ = write_monitor_config(tmp_path / "monitor.yml", rules, scrape=scrape)
+        started = subprocess.run(
+            [sys.executable, "-m", "lossguard.monitor.cli", "run", "--config", str(config)],
+            capture_output=True, text=True, timeout=60, env={**os.environ, TOKEN_ENV: short},
+        )  # fmt: skip
+        assert started.returncode == 2
+        assert started.stderr.splitlines() == [f"lossguard-monitor: error: {refused.value}"]
