@@ -1,9 +1,12 @@
 """The control server's TCP listener against peers without the token, on a real ControlServer
 (real sockets and threads; a stand-in for the training loop answers what is queued): the token
-line must come within the deadline, failures back off, and a short token is refused at start."""
+line must come within the deadline, failures back off (one judgement per back-off, however many
+connections wait), a connection that sent its token line is never pushed out, and a short token
+is refused at start."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -181,3 +184,62 @@ def test_nested_and_malformed_lines_are_bad_requests_after_the_token(served: Ser
             assert reply["ok"] is False and reply["error"]["code"] == "bad_request", reply
             assert says in reply["error"]["message"], reply
     assert served.applied == ["a"]
+
+
+def token_line(token: str, request_id: str = "r") -> bytes:
+    return json.dumps({"id": request_id, "cmd": "status", "token": token}).encode() + b"\n"
+
+
+def flood(address: tuple[str, int], count: int, line: bytes | None) -> list[socket.socket]:
+    """``count`` connections from this address, each sending ``line`` (None: nothing)."""
+    conns = []
+    for _ in range(count):
+        conn = socket.create_connection(address, timeout=10)
+        if line is not None:
+            with contextlib.suppress(OSError):  # refused at once (busy) before it was sent
+                conn.sendall(line)
+        conns.append(conn)
+    return conns
+
+
+def test_a_client_that_sent_its_token_is_never_pushed_out(served: Served) -> None:
+    """The probe's lock-out: connections waiting out the peer's back-off kept their slots and
+    new ones cut off the oldest, the right client's included. Now one that sent its token line
+    keeps its slot until judged: a flood of silent connections, then of wrong tokens, cannot
+    push it out; once every slot holds a sent line, a new connection is told ``busy`` at once."""
+    for _ in range(4):  # the peer (this address) is in back-off: the next line waits its turn
+        with (
+            ControlClient(tcp=served.address, token="x" * 20, timeout=10) as ctl,
+            pytest.raises(ControlError),
+        ):
+            ctl.request("status")
+    client = socket.create_connection(served.address, timeout=30)
+    client.sendall(token_line(TOKEN, "mine"))
+    crowd = flood(served.address, 100, None) + flood(served.address, 100, token_line("y" * 20))
+    try:
+        reply = json.loads(client.makefile("rb").readline())
+        assert reply == {"id": "mine", "ok": True, "result": {"step": 1}}, reply
+        assert served.applied == ["mine"]
+        wait_for(lambda: served.refused["busy"] > 0, 10, "a busy refusal")
+    finally:
+        client.close()
+        for conn in crowd:
+            conn.close()
+
+
+def test_guessing_is_bounded_however_many_connections_wait(served: Served) -> None:
+    """The probe's guessing rate: connections waiting together were all judged when the
+    back-off ended (16 at a time; 1,442 in 25 s in a flood). Now a peer's lines are judged one
+    per back-off (0.4 s at most here) whatever the number waiting."""
+    started = time.monotonic()
+    waves = []
+    while time.monotonic() - started < 3.0:
+        waves += flood(served.address, 20, token_line("z" * 20))
+        time.sleep(0.1)  # the flood's pace, not a wait for the server
+    elapsed = time.monotonic() - started
+    judged = served.refused["unauthorized"]
+    for conn in waves:
+        conn.close()
+    # turns at 0, 0.05, 0.15, 0.35 s (the back-off doubling), then one per 0.4 s
+    assert 3 <= judged <= 4 + (elapsed - 0.35) / 0.4 + 1, (judged, elapsed, served.refused)
+    assert served.applied == []

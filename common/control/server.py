@@ -197,7 +197,9 @@ class ControlServer:
                 return  # closed
             if needs_token:
                 peer = str(address[0])
-                self._gate.enter(conn, functools.partial(_cut_off, conn))
+                if not self._gate.enter(conn, functools.partial(_cut_off, conn)):
+                    self._refuse(conn, "busy", "too many connections waiting to authenticate")
+                    continue
                 target: Callable[..., None] = self._authenticate
                 args: tuple[Any, ...] = (conn, peer)
             elif not self._slots.acquire(blocking=False):
@@ -209,14 +211,15 @@ class ControlServer:
 
     def _authenticate(self, conn: socket.socket, peer: str) -> None:
         """A TCP peer's first line: served on (in an authenticated slot) when it carries the
-        token, else refused and closed; judged only once the peer's back-off has passed."""
+        token, else refused and closed; judged at the peer's next turn (``PeerGate.turn``)."""
         try:
             first, rest = _first_line(conn, AUTH_DEADLINE_S)
             if first is None:
                 self._refused("timeout")
                 conn.close()
                 return
-            if self._stopping.wait(self._gate.wait_s(peer)):
+            self._gate.shown(conn)
+            if self._stopping.wait(self._gate.turn(peer)):
                 conn.close()
                 return
             if not _token_matches(_token_of(first), self._token):
