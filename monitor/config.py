@@ -20,7 +20,6 @@ from lossguard.common.config import (
     validate,
 )
 from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
-from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
 from lossguard.common.ownership import user_ids
 from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.notify.config import NotificationsConfig
