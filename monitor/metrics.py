@@ -57,7 +57,7 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "actions": (
         "counter",
         "Actions by result: applied, failed, retry (not delivered, will be retried), held "
-        "(by a silence), dry_run.",
+        "(by a silence), dry_run, refused (an Alertmanager alert not acted on).",
         ("action", "result"),
     ),
     "outbox_dead_letters": (

@@ -124,9 +124,14 @@ class AwaitingConfirmation:
         self._corroborator = corroborator
         self._held: dict[str, tuple[ActionAlert, float]] = {}  # request id -> (alert, until)
 
-    def hold(self, alert: ActionAlert, now: float) -> None:
+    def hold(self, alert: ActionAlert, now: float, *, limit: int) -> bool:
+        """Hold ``alert`` (a repeat changes nothing); False: ``limit`` alerts are held already
+        (a flood), and this one is not."""
+        if alert.request_id not in self._held and len(self._held) >= limit:
+            return False
         until = now + self._corroborator.confirm_within_s
         self._held.setdefault(alert.request_id, (alert, until))
+        return True
 
     def drop(self, request_id: str) -> None:
         """Alertmanager resolved it: nothing to confirm any more."""

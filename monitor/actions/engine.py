@@ -24,6 +24,7 @@ from lossguard.monitor.actions.model import ActionAlert, ActionRecord
 from lossguard.monitor.actions.next_steps import next_steps
 from lossguard.monitor.actions.planner import ActionPlanner
 from lossguard.monitor.actions.policy import ACTION_LABEL, ACTIONS, ActionsConfig
+from lossguard.monitor.actions.refusals import MAX_HELD, RefusalBudget
 from lossguard.monitor.actions.runner import ActionRunner, Done, Observe
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo
@@ -78,6 +79,7 @@ class Actions:
         self._external: dict[str, tuple[ActionAlert, float]] = {}  # request id -> (alert, until)
         self._awaiting = AwaitingConfirmation(corroborator)  # under the lock
         self._lock = threading.Lock()
+        self._refusals = RefusalBudget()
 
     def start(self) -> None:
         self.runner.start()
@@ -108,6 +110,7 @@ class Actions:
             firing += [alert for alert, _ in self._external.values()]
         for alert, reason in refused:
             self._record_refusal(alert, reason, now)
+        self._refusals.flush(now)
         recorded = self.planner.plan(firing, now)
         for record in recorded:
             log.warning(
@@ -149,20 +152,28 @@ class Actions:
                 with self._lock:
                     if shown:
                         self._external[alert.request_id] = (alert, now + EXTERNAL_TTL_S)
-                    else:  # the monitor's own scrape may be behind Prometheus's
-                        self._awaiting.hold(alert, now)
-                continue
+                        continue
+                    # the monitor's own scrape may be behind Prometheus's
+                    if self._awaiting.hold(alert, now, limit=MAX_HELD):
+                        continue
+                reason = f"{MAX_HELD} alerts are awaiting the monitor's own view already"
             refused.append(Refusal(alert.name, alert.run_id, reason))
             self._record_refusal(alert, reason, now)
         return refused
 
     def _record_refusal(self, alert: ActionAlert, reason: str, now: float) -> None:
         """One record per refused alert instance (a repeat or replay adds none), under an id
-        of its own: a later notification of the instance that the monitor confirms still acts."""
+        of its own: a later notification of the instance that the monitor confirms still acts.
+        Past the window's budget (``RefusalBudget``) a refusal is only counted."""
+        kind = alert.labels[ACTION_LABEL]
+        metric_kind = kind if kind in ACTIONS else "unknown"  # the metric's label stays bounded
+        if not self._refusals.allow(now, alert.run_id):
+            self.observe(metric_kind, "refused")
+            return
         record = ActionRecord(
             id=f"{alert.request_id}-refused",
             run_id=alert.run_id,
-            kind=alert.labels[ACTION_LABEL],
+            kind=kind,
             alertname=alert.name,
             fingerprint=alert.fingerprint,
             labels=alert.labels,
@@ -174,8 +185,7 @@ class Actions:
             reason=reason,
         )
         if self.store.add(record):
-            # the payload's action label may be anything: the metric's label stays bounded
-            self.observe(record.kind if record.kind in ACTIONS else "unknown", "refused")
+            self.observe(metric_kind, "refused")
             log.warning(
                 "refused %s for run %s from Alertmanager (%s): %s",
                 escaped(record.kind),
