@@ -294,22 +294,28 @@ def test_control_only_with_the_token(stack: Stack) -> None:
     applied_before = command_ids(stack)
     refused = [
         (control(stack, "status", headers={}), 401),
-        (control(stack, "status", headers={"Authorization": "Bearer nope"}), 403),
         (control(stack, "status", url=stack.open_url), 403),
         (control(stack, "explode"), 400),
         (control(stack, "set_lr_scale", {"scale": -1}), 400),
         (control(stack, "rollback", {"target": "/etc/passwd"}), 400),
         (control(stack, "status", run_id="nope"), 404),
         (control(stack, "status", run_id="done"), 503),
+        (control(stack, "status", headers={"Authorization": "Bearer nope"}), 403),
     ]
     errors = [error_of(reply, status) for reply, status in refused]
     assert refused[0][0].headers["WWW-Authenticate"].startswith("Bearer")
-    assert f"${TOKEN_ENV}" in errors[2]
-    assert errors[3].startswith("unknown command 'explode'; commands: status, checkpoints")
-    assert "scale" in errors[4] and "never a path" in errors[5]
-    assert "'nope'" in errors[6] and "completed" in errors[7]
+    assert f"${TOKEN_ENV}" in errors[1]
+    assert errors[2].startswith("unknown command 'explode'; commands: status, checkpoints")
+    assert "scale" in errors[3] and "never a path" in errors[4]
+    assert "'nope'" in errors[5] and "completed" in errors[6]
+    # after a wrong token, this address waits out a back-off (the agent's: 0.25 s at first)
+    held = control(stack, "status")
+    assert "too many requests: wrong tokens from 127.0.0.1" in error_of(held, 429)
+    assert held.headers["Retry-After"] == "1"
 
-    reply = control(stack, "status")
+    reply = wait_for(
+        lambda: (r := control(stack, "status")).status_code != 429 and r, 10, "the back-off"
+    )
     assert reply.status_code == 200, reply.text
     answer = reply.json()["data"]
     assert (answer["cmd"], answer["run_id"], answer["args"]) == ("status", "live", {})

@@ -11,6 +11,8 @@ import logging
 import os
 import subprocess
 import sys
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -398,3 +400,22 @@ def test_a_short_monitor_token_is_refused_at_start(short: str, tmp_path: Path) -
         )  # fmt: skip
         assert started.returncode == 2
         assert started.stderr.splitlines() == [f"lossguard-monitor: error: {refused.value}"]
+
+
+def test_wrong_tokens_back_off_as_the_agents_do(server: MonitorServer, received: Received) -> None:
+    """The probe: 300 wrong tokens answered in 1.3 s. Now an address's tokens are judged one
+    at a time, after a back-off that doubles with each wrong one (0.25 s to 5 s); meanwhile its
+    requests get 429 with Retry-After, unjudged, and nothing is taken."""
+    started = time.monotonic()
+    replies = [
+        post(server, headers={"Authorization": "Bearer wrong-token-guess"}) for _ in range(300)
+    ]
+    elapsed = time.monotonic() - started
+    codes = Counter(reply.status_code for reply in replies)
+    assert set(codes) == {403, 429} and codes[403] + codes[429] == 300
+    # judged: at 0, 0.25, 0.75, 1.75, 3.75 s, then one per 5 s
+    assert 1 <= codes[403] <= 5 + elapsed / 5, (codes, elapsed)
+    held = next(reply for reply in replies if reply.status_code == 429)
+    assert held.text.startswith("too many requests: wrong tokens from 127.0.0.1; retry in ")
+    assert 1 <= int(held.headers["Retry-After"]) <= 5
+    assert received.batches == []

@@ -76,6 +76,14 @@ class PeerGate:
             self._forget_oldest()
         return at - now
 
+    def turn_now(self, peer: str) -> float:
+        """For a caller that cannot wait (an HTTP request): 0 when ``peer``'s turn is now,
+        taking it; else the seconds until it, taking none (refuse the request: retry later)."""
+        with self._lock:
+            _, _, next_at = self._failures.get(peer, (0, 0, 0.0))
+            wait = next_at - self._clock()
+        return wait if wait > 0 else self.turn(peer)
+
     def failed(self, peer: str) -> None:
         """A wrong token (or none) from ``peer``, judged at its turn: one failure more."""
         with self._lock:

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 from lossguard.common.control.client import ControlError, ControlTimeout, ControlUnavailable
+from lossguard.common.control.gate import PeerGate
 from lossguard.common.control.protocol import ErrorCode, ProtocolError, encode, parse_request
 from lossguard.common.control.protocol import Request as Command
 from lossguard.common.jsondepth import load_bounded
@@ -38,9 +39,11 @@ def control_route(
 ) -> Route:
     """The control endpoint; refused (403, saying how to enable it) while ``token`` is None."""
 
+    gate = PeerGate()  # the back-off of wrong tokens, by client address
+
     def control(request: Request) -> Response:
         run_id = request.params["run_id"]
-        refused = token_refusal(request.headers, token, token_env, "control")
+        refused = token_refusal(request, token, token_env, "control", gate)
         if refused is not None:
             status, message, headers = refused
             log.warning(

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from lossguard.common.control.gate import PeerGate
 from lossguard.common.control.protocol import encode
 
 API_PREFIX = "/api/"
@@ -22,6 +24,7 @@ ERROR_TYPES = {
     413: "bad_data",
     415: "bad_data",
     422: "execution",
+    429: "too_many_requests",
     500: "internal",
     503: "unavailable",
 }
@@ -109,10 +112,12 @@ def bearer_refusal(
 
 
 def token_refusal(
-    headers: Mapping[str, str], token: str | None, token_env: str, what: str
+    request: Request, token: str | None, token_env: str, what: str, gate: PeerGate
 ) -> tuple[int, str, tuple[tuple[str, str], ...]] | None:
     """Why a request to ``what`` (an endpoint that can make the monitor act) is refused:
-    403 while no token is set (saying how to set one), else as :func:`bearer_refusal`."""
+    403 while no token is set (saying how to set one); 429 with ``Retry-After`` while the
+    client's address waits out the back-off its wrong tokens earned (``gate``: the agent's
+    back-off, one try at a time, doubling to 5 s); else as :func:`bearer_refusal`."""
     if token is None:
         return (
             403,
@@ -120,4 +125,16 @@ def token_refusal(
             "restart the monitor and send Authorization: Bearer <token>",
             (),
         )
-    return bearer_refusal(headers, token)
+    if "authorization" not in request.headers:
+        return bearer_refusal(request.headers, token)  # no token tried: 401
+    wait = gate.turn_now(request.client)
+    if wait > 0:
+        retry = str(math.ceil(wait))
+        message = f"too many requests: wrong tokens from {request.client}; retry in {retry} s"
+        return 429, message, (("Retry-After", retry),)
+    refused = bearer_refusal(request.headers, token)
+    if refused is not None and refused[0] == 403:
+        gate.failed(request.client)
+    elif refused is None:
+        gate.succeeded(request.client)
+    return refused

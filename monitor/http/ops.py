@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from lossguard.common.control.gate import PeerGate
 from lossguard.common.printable import escaped
 from lossguard.monitor.actions.engine import Refusal
 from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_webhook
@@ -69,8 +70,10 @@ def alertmanager_route(on_alerts: OnAlerts, token: str | None, token_env: str) -
     [{"alertname", "run_id", "reason"}, ...]}`` (a refused alert is answered 200 too:
     Alertmanager would only send it again)."""
 
+    gate = PeerGate()  # the back-off of wrong tokens, by client address
+
     def alertmanager(request: Request) -> Response:
-        refusal = token_refusal(request.headers, token, token_env, "the Alertmanager webhook")
+        refusal = token_refusal(request, token, token_env, "the Alertmanager webhook", gate)
         if refusal is not None:
             status, message, headers = refusal
             log.warning(
