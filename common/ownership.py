@@ -65,11 +65,32 @@ def distrust_file(path: Path, owners: frozenset[int]) -> str | None:
     return distrust(path.parent, owners) or distrust(path, owners)
 
 
+def replaceable(path: Path) -> str | None:
+    """Why another user could rename ``path`` away and put their own in its place while it is
+    in use (its folder is writable by all, without the sticky bit of ``/tmp``), or None."""
+    folder = path.parent
+    try:
+        found = os.stat(folder)
+    except OSError:
+        return None  # made below, by this user
+    if found.st_mode & stat.S_IWOTH and not found.st_mode & stat.S_ISVTX:
+        return (
+            f"{folder} is writable by everyone without the sticky bit (mode "
+            f"{stat.S_IMODE(found.st_mode):04o}): another user could replace {path.name} while "
+            f"it is in use; chmod +t {folder}, or use a folder of your own"
+        )
+    return None
+
+
 def claim_directory(path: Path, mode: int | None) -> None:
     """Make ``path`` a directory of this user's (created with ``mode``, default 0700) or check
     that the existing one is (owned by this user, writable by no one else; ValueError names
     what is wrong); then give it ``mode`` when one is asked for, keeping its setgid bit (files
-    then take the directory's group, as a team's shared runs folder wants)."""
+    then take the directory's group, as a team's shared runs folder wants). Its folder must not
+    let other users replace it (``replaceable``)."""
+    why_not = replaceable(path)
+    if why_not is not None:
+        raise ValueError(why_not)
     try:
         path.mkdir(mode=PRIVATE_DIR if mode is None else mode)
     except FileExistsError:

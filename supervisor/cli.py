@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lossguard.common.cli import EXIT_FAILED, EXIT_OK
-from lossguard.common.config import seconds
+from lossguard.common.config import ConfigError, seconds
 from lossguard.common.console import setup_logging
 from lossguard.common.control.client import (
     ControlClient,
@@ -174,6 +174,9 @@ def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     except SupervisorError as exc:
         print(f"lossguard-supervise: error: {exc}", file=sys.stderr)
         return EXIT_PERMANENT
+    except ConfigError as exc:  # a run directory another user owns, or others may write
+        print(f"lossguard-supervise: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 def _ask(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -96,8 +97,10 @@ class Supervisor:
     def __init__(self, options: SupervisorOptions) -> None:
         self.options = options
         self.run_dir = options.run_dir
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.events = RunDirectory(self.run_dir).events
+        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.events = RunDirectory(self.run_dir).events  # 0700 when made; another's refused
+        # supervisor.json as private as the run: group-readable only in a group-readable run
+        self.file_mode = stat.S_IMODE(self.run_dir.stat().st_mode) & 0o640
         self.budget = RestartBudget(
             options.max_restarts, options.window_s, options.backoff_s, options.backoff_max_s
         )
@@ -369,7 +372,7 @@ class Supervisor:
     def _set_state(self, state: SupervisorState, **changes: Any) -> None:
         self.info = self.info.with_state(state, **changes)
         self.metrics.set_state(state)
-        write_atomically(self.run_dir / SUPERVISOR_FILE, self.info.to_json())
+        write_atomically(self.run_dir / SUPERVISOR_FILE, self.info.to_json(), mode=self.file_mode)
 
     def _start_services(self) -> None:
         try:

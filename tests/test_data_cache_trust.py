@@ -116,3 +116,12 @@ def test_the_cache_is_private(tmp_path: Path) -> None:
     (tokens,) = where.glob("text-*")
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (where, tokens, *tokens.iterdir())}
     assert modes == {where.name: 0o700, tokens.name: 0o700, "train.bin": 0o600, "val.bin": 0o600}
+
+
+def test_a_cache_in_a_folder_others_could_swap_it_in_is_refused(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    runs.chmod(0o777)
+    cfg = config(runs)
+    with pytest.raises(DataError, match=r"^data cache: .* is writable by everyone without the"):
+        load_data(cfg.data, cache_dir(cfg.data, runs), None)  # type: ignore[attr-defined]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,3 +157,56 @@ def test_everything_a_run_writes_takes_the_runs_modes(
         ["meta.json", "state.pt", "report.html", "report.png"], file_mode
     )
     assert beat_mode == file_mode
+
+
+def test_the_supervisor_refuses_another_users_run_directory_and_makes_its_own_private(
+    tmp_path: Path,
+) -> None:
+    """The probe's supervisor: a run directory ``nobody`` made in a shared runs folder was
+    refused with a traceback (exit 1); one it made was 0755 and its supervisor.json 0644."""
+    runs = tmp_path / "runs"
+    runs.mkdir(mode=0o1777)
+    runs.chmod(0o1777)
+    planted = runs / "planted"
+    planted.mkdir()
+    os.chown(planted, NOBODY, -1)
+    supervise = [sys.executable, "-m", "lossguard.supervisor.cli", "run", "--run-dir"]
+    refused = subprocess.run(
+        [*supervise, str(planted), "--", "true"], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        f"lossguard-supervise: error: run.dir: {planted} is owned by nobody (uid {NOBODY}), "
+        "not a trusted user (root (uid 0)); use a run directory of your own"
+    ]
+    assert list(planted.iterdir()) == []
+    made = runs / "made"
+    ran = subprocess.run(
+        [*supervise, str(made), "--", "true"], capture_output=True, text=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert mode(made) == 0o700 and mode(made / "supervisor.json") == 0o600
+
+
+def test_a_run_directory_others_could_replace_while_it_runs_is_refused(tmp_path: Path) -> None:
+    """The probe's time-of-check/time-of-use: in a runs folder everyone may write without the
+    sticky bit, another user can rename a live run directory away and put theirs in its place;
+    the agent refuses such a folder. With the sticky bit (``install -d -m 1777``) they cannot."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    runs.chmod(0o777)
+    with pytest.raises(ConfigError) as refused:
+        RunDirectory(runs / "r")
+    assert str(refused.value) == (
+        f"run.dir: {runs} is writable by everyone without the sticky bit (mode 0777): another "
+        f"user could replace r while it is in use; chmod +t {runs}, or use a folder of your own"
+    )
+    runs.chmod(0o1777)
+    run = RunDirectory(runs / "r")
+    swap = "import os, sys; os.setuid(65534); os.rename(sys.argv[1], sys.argv[1] + '.gone')"
+    tried = subprocess.run(
+        [sys.executable, "-c", swap, str(run.path)], capture_output=True, text=True, timeout=30
+    )
+    assert tried.returncode != 0 and "PermissionError" in tried.stderr
+    assert run.path.is_dir()
+    run.close()

@@ -21,7 +21,7 @@ import numpy as np
 
 from lossguard.agent.config import DataConfig
 from lossguard.common.config import ConfigError
-from lossguard.common.ownership import PRIVATE_DIR, distrust
+from lossguard.common.ownership import PRIVATE_DIR, distrust, replaceable
 
 BYTE_VOCAB_SIZE = 256
 GPT2_PADDED_VOCAB_SIZE = 50304
@@ -106,6 +106,9 @@ def claim_cache(folder: Path) -> None:
     owned by this user, writable by no one else, not a symbolic link. Anyone who can write in
     it could plant the tokens a run trains on; anyone who can read it, read the data."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    why_not = replaceable(folder)
+    if why_not is not None:
+        raise DataError(f"data cache: {why_not}")
     try:
         folder.mkdir(mode=PRIVATE_DIR)
     except FileExistsError:
