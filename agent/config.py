@@ -276,9 +276,10 @@ class DistributedConfig(Section):
     )
     timeout: str = Field(
         default="10m",
-        description="How long a collective waits for the other ranks before the rank ends with "
-        "the retryable exit code (75): the process group's timeout (the built-in trainer's "
-        "group; a Guard's control group). A Prometheus duration, at least 10s.",
+        description="How long a collective waits for the other ranks before the rank ends "
+        "(exit code 75 naming it; on GPUs NCCL's watchdog aborts a device collective): the "
+        "process group's timeout (the built-in trainer's group; a Guard's control and dcp "
+        "groups). A Prometheus duration, at least 10s.",
     )
 
     stop_grace: str = Field(

@@ -29,47 +29,56 @@ from lossguard.common.exitcodes import EXIT_RETRYABLE
 T = TypeVar("T")
 log = logging.getLogger("lossguard.agent")
 
-_in_flight: dict[int, tuple[str, float]] = {}
-"""The collective each thread is in now (thread id: what, since when, monotonic)."""
+
+@dataclass(frozen=True)
+class InFlight:
+    """The collective a thread is in: its name, since when (monotonic), and whether it is a
+    checkpoint's reads or writes (``io``: long by nature, never taken for stuck on a stop)."""
+
+    what: str
+    since: float
+    io: bool = False
+
+
+_in_flight: dict[int, InFlight] = {}
+"""The collective each thread is in now, by thread id."""
 
 
 @contextlib.contextmanager
-def collective(what: str) -> Iterator[None]:
+def collective(what: str, *, io: bool = False) -> Iterator[None]:
     """Around one collective, named ``what`` (e.g. ``all_reduce: commands and signals``): the
     calling thread is marked as inside it, and if it fails (a peer gone, the group's timeout),
     the rank ends at once with one line naming it and the retryable exit code: the group is
-    unusable and the other ranks are gone or stuck, so nothing collective can follow."""
+    unusable and the other ranks are gone or stuck, so nothing collective can follow. ``io``:
+    a checkpoint's collective write or read (``InFlight``)."""
     ident = threading.get_ident()
-    _in_flight[ident] = (what, time.monotonic())
+    entered = InFlight(what, time.monotonic(), io)
+    _in_flight[ident] = entered
     try:
         yield
     except RuntimeError as exc:  # torch.distributed.DistError and the backends' errors
-        _, since = _in_flight[ident]
-        seconds = time.monotonic() - since
+        seconds = time.monotonic() - entered.since
         end_rank(f"{what} failed after {seconds:.0f} s ({_one_line(exc)})")
     finally:
         _in_flight.pop(ident, None)
 
 
-def in_collective(thread: threading.Thread) -> tuple[str, float] | None:
-    """The collective ``thread`` is in (its name and since when, monotonic), or None."""
+def in_collective(thread: threading.Thread) -> InFlight | None:
+    """The collective ``thread`` is in, or None."""
     return _in_flight.get(thread.ident) if thread.ident is not None else None
 
 
 def end_rank(why: str) -> NoReturn:
     """End this rank now with the retryable exit code (75), after one line saying ``why``:
     a rank whose collectives cannot complete must not hold its GPU; the supervisor (or the
-    scheduler) restarts every node from the newest checkpoint."""
+    scheduler) restarts every node from the newest checkpoint. Nothing else runs: no save,
+    no close (the group cannot be trusted), no atexit handler."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    log.critical(
-        "rank %d: %s; exiting %d (retryable)",
-        rank,
-        why,
-        EXIT_RETRYABLE,
-    )
-    for handler in logging.getLogger().handlers + log.handlers:
-        with contextlib.suppress(Exception):
-            handler.flush()
+    log.critical("rank %d: %s; exiting %d (retryable)", rank, why, EXIT_RETRYABLE)
+    for name in ("", "lossguard", "lossguard.agent"):  # where handlers are attached
+        for handler in logging.getLogger(name).handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()

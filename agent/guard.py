@@ -245,9 +245,9 @@ class Guard:
         self._due.snapshot = True
         self._stuck = (
             StuckRankWatch(
-                timeout_s=self.config.distributed.timeout_s,
                 grace_s=self.config.distributed.stop_grace_s,
                 stop_asked=self._stop_asked,
+                signalled=self.signals.name,
             )
             if self.world_size > 1
             else None

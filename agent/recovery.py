@@ -21,7 +21,12 @@ from lossguard.agent.checkpoint.dcp_format import SHARDED_STATE, WORLD_SIZE, Dcp
 from lossguard.agent.checkpoint.snapshot import snapshot
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.checkpoint.store import CheckpointStore
-from lossguard.agent.distributed import all_gather_objects, all_reduce_max, broadcast_objects
+from lossguard.agent.distributed import (
+    all_gather_objects,
+    all_reduce_max,
+    broadcast_objects,
+    collective,
+)
 from lossguard.agent.dtensors import full_value
 from lossguard.agent.rng import capture_rng, restore_rng
 from lossguard.agent.telemetry.collector import Telemetry
@@ -550,7 +555,9 @@ class Recovery:
         if self.world_size > 1:
             model = self.state["model"]
             assert isinstance(model, nn.Module)
-            mine = {"rank": self.rank, "step": self.progress.step, "weights": weights_digest(model)}
+            with collective("full_tensor: rollback weights digest"):  # sharded: all-gathers
+                weights = weights_digest(model)
+            mine = {"rank": self.rank, "step": self.progress.step, "weights": weights}
             result["ranks"] = all_gather_objects(
                 mine, self.group, "all_gather_object: rollback digests"
             )

@@ -5,9 +5,10 @@ Python signal handler nor a control command can reach it: the first runs only wh
 thread gets back to Python, the second at the next step boundary. A watch thread sees both
 anyway (the signal through ``signal.set_wakeup_fd``, the command in the control server's queue)
 and ends the rank with the retryable exit code when the main thread is still in one
-collective ``distributed.stop_grace`` after either, or ``BACKSTOP_S`` past
-``distributed.timeout`` (for a backend that does not time out by itself). The collective is
-named in the one line it logs (``distributed.collective``).
+collective ``distributed.stop_grace`` after either, naming the collective in the one line it
+logs (``distributed.collective``). A checkpoint's collective writes and reads (``io``) are
+never taken for stuck: they end at ``distributed.timeout``, as every collective does, with the
+backend's error (``distributed.collective``).
 """
 
 from __future__ import annotations
@@ -23,32 +24,41 @@ from collections.abc import Callable
 from lossguard.agent.distributed import end_rank, in_collective
 from lossguard.agent.stop_signals import STOP_SIGNALS
 
-BACKSTOP_S = 30.0
-"""Past ``distributed.timeout``: gloo raises by then, NCCL's watchdog aborts; this is the rest."""
 POLL_S = 0.5
 
 
 class StuckRankWatch:
     """Watches the thread that created it (the training loop's) from a daemon thread.
     ``stop_asked``: the name of a stop command waiting for the loop (rank 0's control server),
-    else None; ``grace_s``: ``distributed.stop_grace``."""
+    else None; ``grace_s``: ``distributed.stop_grace``; ``signalled``: a stop signal that
+    came before the watch (while the Guard started), by name."""
 
     def __init__(
-        self, *, timeout_s: float, grace_s: float, stop_asked: Callable[[], str | None]
+        self,
+        *,
+        grace_s: float,
+        stop_asked: Callable[[], str | None],
+        signalled: str | None = None,
+        watching: bool = True,
     ) -> None:
-        self.timeout_s = timeout_s
+        """``watching``: start the thread (False: only ``check``, for a test's clock)."""
         self.grace_s = grace_s
         self.stop_asked = stop_asked
         self.main = threading.current_thread()
-        self.stop_at: tuple[float, str] | None = None  # when the first stop came, and what
+        self.stop_at: tuple[float, str] | None = (
+            (time.monotonic(), signalled) if signalled is not None else None
+        )  # when the first stop came, and what
         self._closed = threading.Event()
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
-        self._previous_fd: int | None = None
+        self._wakeup_set = False
+        self._thread: threading.Thread | None = None
+        if not watching:
+            return
         with contextlib.suppress(ValueError):  # not the main thread: no signal to watch
             previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
             if previous == -1:
-                self._previous_fd = previous
+                self._wakeup_set = True
             else:  # someone else (an event loop) reads the wake-ups: leave them theirs
                 signal.set_wakeup_fd(previous)
         self._thread = threading.Thread(target=self._run, name="lossguard-stuck-rank", daemon=True)
@@ -71,27 +81,23 @@ class StuckRankWatch:
     def check(self, now: float) -> None:
         """End the rank if the main thread is stuck, as the module says."""
         blocked = in_collective(self.main)
-        if blocked is None or self._closed.is_set():
+        if blocked is None or self.stop_at is None or blocked.io:
             return
-        what, since = blocked
-        if self.stop_at is not None:
-            asked_at, asked = self.stop_at
-            if now - max(asked_at, since) >= self.grace_s:
-                end_rank(
-                    f"{asked} came {now - asked_at:.0f} s ago and this rank is still blocked "
-                    f"in {what} (for {now - since:.0f} s)"
-                )
-        if now - since >= self.timeout_s + BACKSTOP_S:
+        asked_at, asked = self.stop_at
+        if now - max(asked_at, blocked.since) >= self.grace_s:
             end_rank(
-                f"blocked in {what} for {now - since:.0f} s, past distributed.timeout "
-                f"({self.timeout_s:.0f} s)"
+                f"{asked} came {now - asked_at:.0f} s ago and this rank is still blocked in "
+                f"{blocked.what} (for {now - blocked.since:.0f} s)"
             )
 
     def close(self) -> None:
         self._closed.set()
-        if self._previous_fd is not None:
-            with contextlib.suppress(ValueError):
-                signal.set_wakeup_fd(self._previous_fd)
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+        if self._wakeup_set:
+            try:
+                signal.set_wakeup_fd(-1)
+            except ValueError:  # closed from another thread: the descriptor stays, open
+                return
         os.close(self._read)
         os.close(self._write)

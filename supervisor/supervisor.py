@@ -99,8 +99,6 @@ class Supervisor:
         self.run_dir = options.run_dir
         self.run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.events = RunDirectory(self.run_dir).events  # 0700 when made; another's refused
-        # supervisor.json as private as the run: group-readable only in a group-readable run
-        self.file_mode = stat.S_IMODE(self.run_dir.stat().st_mode) & 0o640
         self.budget = RestartBudget(
             options.max_restarts, options.window_s, options.backoff_s, options.backoff_max_s
         )
@@ -372,7 +370,10 @@ class Supervisor:
     def _set_state(self, state: SupervisorState, **changes: Any) -> None:
         self.info = self.info.with_state(state, **changes)
         self.metrics.set_state(state)
-        write_atomically(self.run_dir / SUPERVISOR_FILE, self.info.to_json(), mode=self.file_mode)
+        # as private as the run now (the agent applies run.mode after the supervisor starts):
+        # group-readable only in a group-readable run directory
+        mode = stat.S_IMODE(self.run_dir.stat().st_mode) & 0o640
+        write_atomically(self.run_dir / SUPERVISOR_FILE, self.info.to_json(), mode=mode)
 
     def _start_services(self) -> None:
         try:

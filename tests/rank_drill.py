@@ -145,7 +145,7 @@ def released(flag: Path) -> bool:
     return bool(seen.item())
 
 
-def perturb(loss: torch.Tensor, tokens: torch.Tensor, faults: list[dict[str, Any]]) -> Any:
+def perturb(loss: torch.Tensor, faults: list[dict[str, Any]]) -> Any:
     """This rank's faults of the step about to run: the loss (NaN, spike) and the batch."""
     for fault in faults:
         if fault["kind"] == "nan":
@@ -204,7 +204,7 @@ def main(out: Path, plan: dict[str, Any]) -> int:
                 threading.Event().wait(max(f.get("seconds", 1.0) for f in slow))
             logits = trained(tokens)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
-            loss = perturb(loss, tokens, now)
+            loss = perturb(loss, now)
             loss.backward()
             guard.after_backward(loss, tokens=tokens.numel(), inputs=tokens)
             opt.step()

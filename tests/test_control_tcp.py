@@ -243,3 +243,33 @@ def test_guessing_is_bounded_however_many_connections_wait(served: Served) -> No
     # turns at 0, 0.05, 0.15, 0.35 s (the back-off doubling), then one per 0.4 s
     assert 3 <= judged <= 4 + (elapsed - 0.35) / 0.4 + 1, (judged, elapsed, served.refused)
     assert served.applied == []
+
+
+def test_one_address_cannot_hold_every_slot_nor_have_cut_off_lines_judged(
+    monkeypatch: pytest.MonkeyPatch, served: Served
+) -> None:
+    """Lines waiting for their turn hold at most 4 of the 16 slots per address, so a flood from
+    one address (127.0.0.2 here) leaves room for another's client; and a connection cut off to
+    make room is refused, never judged from the part of a line it had sent."""
+    monkeypatch.setattr(control_gate, "FIRST_BACKOFF_S", 2.0)  # lines wait while we look
+    monkeypatch.setattr(control_gate, "MAX_BACKOFF_S", 2.0)
+    other = ("127.0.0.2", 0)
+    partial = []
+    for _ in range(16):
+        conn = socket.create_connection(served.address, timeout=10, source_address=other)
+        conn.sendall(b'{"id": "p", "cmd": "status", "token": "half-a-li')  # no end of line
+        partial.append(conn)
+    held = []
+    for _ in range(16):  # each cuts off a partial one, then sends a whole wrong line
+        conn = socket.create_connection(served.address, timeout=10, source_address=other)
+        conn.sendall(token_line("w" * 20))
+        held.append(conn)
+    try:
+        # those over the 4 waiting lines (and the partial lines cut off for them) are refused
+        wait_for(lambda: served.refused["busy"] >= 12, 10, "the lines over the cap refused")
+        with ControlClient(tcp=served.address, token=TOKEN, timeout=10) as ctl:
+            assert ctl.request("status", request_id="other-address") == {"step": 1}
+        assert served.refused["unauthorized"] <= 2  # only lines that had their turn
+    finally:
+        for conn in partial + held:
+            conn.close()

@@ -161,18 +161,24 @@ def test_network_policies_admit_only_prometheus_the_monitor_and_the_run() -> Non
     assert train["podSelector"]["matchLabels"] == {"job-name": "lossguard-train"}
     sources = {
         frozenset(peer["podSelector"]["matchLabels"].items()): sorted(
-            p["port"] for p in rule.get("ports", [{"port": "any"}])
+            (p["port"], p.get("endPort", p["port"])) for p in rule.get("ports", [{"port": 0}])
         )
         for rule in train["ingress"]
         for peer in rule["from"]
     }
+    exporters = (9410, 9417)  # 9410 + local rank, 8 ranks a pod
     assert sources == {
-        frozenset({("job-name", "lossguard-train")}): ["any"],
-        frozenset({("app.kubernetes.io/name", "lossguard-monitor")}): [9408, 9410, 9420],
-        frozenset({("app.kubernetes.io/name", "prometheus")}): [9408, 9410],
+        frozenset({("job-name", "lossguard-train")}): [(0, 0)],  # every port
+        frozenset({("app.kubernetes.io/name", "lossguard-monitor")}): [
+            (9408, 9408),
+            exporters,
+            (9420, 9420),
+        ],
+        frozenset({("app.kubernetes.io/name", "prometheus")}): [(9408, 9408), exporters],
     }
     monitor = named("NetworkPolicy", "lossguard-monitor")["spec"]
     (rule,) = monitor["ingress"]
     peers = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for peer in rule["from"]]
     assert peers == ["prometheus", "alertmanager"] and rule["ports"] == [{"port": 9409}]
+    assert all(peer["namespaceSelector"] == {} for peer in rule["from"])  # any namespace
     assert train["policyTypes"] == monitor["policyTypes"] == ["Ingress"]

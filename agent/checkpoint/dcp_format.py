@@ -208,7 +208,7 @@ class DcpCheckpoints:
         ``dcp.save``; rank 0 then publishes (DCP's finish on rank 0 follows every rank's write)."""
         written: Digests | Exception
         try:
-            with dcp_errors(), collective("dcp.save: checkpoint shards"):
+            with dcp_errors(), collective("dcp.save: checkpoint shards", io=True):
                 dcp.save(
                     state, checkpoint_id=tmp, storage_writer=self.writer, process_group=self.group
                 )
@@ -219,7 +219,7 @@ class DcpCheckpoints:
                 log.warning("rank %d: checkpoint write failed: %r", self.rank, exc, exc_info=exc)
         try:
             digests = self._gather(written)
-        except Exception as exc:  # the save's group failed: no rank can publish
+        except Exception as exc:  # not the group (a failed collective ends the rank)
             digests = exc
         if self.store is not None:
             self._finish(digests, tmp, fields, on_done)
@@ -290,7 +290,7 @@ class DcpCheckpoints:
         """Collective: read the model and optimizer shards of checkpoint ``meta`` (resharded
         to this world size) into the live model and optimizer."""
         state = self.sharded.state_dict()
-        with dcp_errors(), collective("dcp.load: checkpoint shards"):
+        with dcp_errors(), collective("dcp.load: checkpoint shards", io=True):
             dcp.load(state, checkpoint_id=self.root / meta.name, process_group=self.group)
         self.sharded.load_state_dict(state)
 

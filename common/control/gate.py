@@ -16,6 +16,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 PREAUTH_SLOTS = 16
+SHOWN_PER_PEER = 4
+"""Slots one address may hold with a token line waiting for its turn: the others stay free or
+evictable for other addresses."""
 FIRST_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 5.0
 REMEMBERED_PEERS = 4096
@@ -30,8 +33,8 @@ class PeerGate:
         self._slots = slots
         self._clock = clock
         self._lock = threading.Lock()
-        self._waiting: OrderedDict[object, Callable[[], None] | None] = OrderedDict()
-        """Connections in a slot: how to cut one off, None once it sent its token line."""
+        self._waiting: OrderedDict[object, Callable[[], None] | str] = OrderedDict()
+        """Connections in a slot: how to cut one off, or its peer once it sent its token line."""
         self._failures: OrderedDict[str, tuple[int, int, float]] = OrderedDict()
         """By peer: failures in a row, turns handed out and not yet judged, the next turn."""
 
@@ -43,20 +46,27 @@ class PeerGate:
         with self._lock:
             oldest: Callable[[], None] | None = None
             if len(self._waiting) >= self._slots:
-                silent = next((k for k, cut in self._waiting.items() if cut is not None), None)
+                silent = next((k for k, cut in self._waiting.items() if callable(cut)), None)
                 if silent is None:
                     return False
-                oldest = self._waiting.pop(silent)
+                evicted = self._waiting.pop(silent)
+                oldest = evicted if callable(evicted) else None
             self._waiting[key] = cut_off
         if oldest is not None:
             oldest()
         return True
 
-    def shown(self, key: object) -> None:
-        """``key`` sent its token line: it keeps its slot until judged."""
+    def shown(self, key: object, peer: str) -> bool:
+        """``key`` of ``peer`` sent its token line: it keeps its slot until judged. False: it
+        is not to be judged (it was cut off meanwhile, or ``peer`` has ``SHOWN_PER_PEER``
+        lines waiting already); refuse it."""
         with self._lock:
-            if key in self._waiting:
-                self._waiting[key] = None
+            if key not in self._waiting:
+                return False
+            if sum(1 for held in self._waiting.values() if held == peer) >= SHOWN_PER_PEER:
+                return False
+            self._waiting[key] = peer
+            return True
 
     def leave(self, key: object) -> None:
         """Give back the slot ``enter`` took (authenticated, refused, gone or cut off)."""
@@ -69,20 +79,22 @@ class PeerGate:
         handed out, would earn: one line at a time is judged at once, and connections sent
         together cannot share a turn."""
         with self._lock:
-            now = self._clock()
-            count, pending, next_at = self._failures.pop(peer, (0, 0, 0.0))
-            at = max(now, next_at)
-            self._failures[peer] = (count, pending + 1, at + _backoff(count + pending))
-            self._forget_oldest()
-        return at - now
+            return self._take_turn(peer, self._clock())
 
     def turn_now(self, peer: str) -> float:
         """For a caller that cannot wait (an HTTP request): 0 when ``peer``'s turn is now,
         taking it; else the seconds until it, taking none (refuse the request: retry later)."""
         with self._lock:
+            now = self._clock()
             _, _, next_at = self._failures.get(peer, (0, 0, 0.0))
-            wait = next_at - self._clock()
-        return wait if wait > 0 else self.turn(peer)
+            return next_at - now if next_at > now else self._take_turn(peer, now)
+
+    def _take_turn(self, peer: str, now: float) -> float:
+        count, pending, next_at = self._failures.pop(peer, (0, 0, 0.0))
+        at = max(now, next_at)
+        self._failures[peer] = (count, pending + 1, at + _backoff(count + pending))
+        self._forget_oldest()
+        return at - now
 
     def failed(self, peer: str) -> None:
         """A wrong token (or none) from ``peer``, judged at its turn: one failure more."""

@@ -218,7 +218,9 @@ class ControlServer:
                 self._refused("timeout")
                 conn.close()
                 return
-            self._gate.shown(conn)
+            if not self._gate.shown(conn, peer):  # cut off meanwhile, or too many of its lines
+                self._refuse(conn, "busy", "too many connections waiting to authenticate")
+                return
             if self._stopping.wait(self._gate.turn(peer)):
                 conn.close()
                 return

@@ -26,9 +26,10 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_synced(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Create ``path``, fill it with ``write`` and fsync it."""
-    with open(path, "wb") as fh:
+def write_synced(path: Path, write: Callable[[IO[bytes]], object], *, mode: int = 0o666) -> None:
+    """Create ``path`` (with ``mode``, less the umask: readable by no one else for a moment
+    either), fill it with ``write`` and fsync it."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as fh:
         write(fh)
         fh.flush()
         os.fsync(fh.fileno())
@@ -49,9 +50,9 @@ def write_atomically(path: Path, data: str | bytes, *, mode: int | None = None) 
     blob = data.encode("utf-8") if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        write_synced(tmp, lambda fh: fh.write(blob))
+        write_synced(tmp, lambda fh: fh.write(blob), mode=0o666 if mode is None else mode)
         if mode is not None:
-            os.chmod(tmp, mode)
+            os.chmod(tmp, mode)  # exactly, whatever the umask
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -167,6 +167,8 @@ class Actions:
         Past the window's budget (``RefusalBudget``) a refusal is only counted."""
         kind = alert.labels[ACTION_LABEL]
         metric_kind = kind if kind in ACTIONS else "unknown"  # the metric's label stays bounded
+        if self.store.get(f"{alert.request_id}-refused") is not None:
+            return  # a repeat of a refused instance: recorded and counted already
         if not self._refusals.allow(now, alert.run_id):
             self.observe(metric_kind, "refused")
             return

@@ -125,8 +125,9 @@ def token_refusal(
             "restart the monitor and send Authorization: Bearer <token>",
             (),
         )
-    if "authorization" not in request.headers:
-        return bearer_refusal(request.headers, token)  # no token tried: 401
+    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return bearer_refusal(request.headers, token)  # no token tried: 401, no turn taken
     wait = gate.turn_now(request.client)
     if wait > 0:
         retry = str(math.ceil(wait))
