@@ -529,19 +529,21 @@ class Recovery:
         trouble_since: int | None = None,
     ) -> dict[str, Any]:
         """Restore ``target``, pass over ``skip_batches`` batches (``"abandoned"``: those the
-        abandoned steps trained on) and multiply the learning-rate scale by ``lr_scale``;
+        abandoned steps trained on) and set the learning-rate scale to the one in force before
+        the rollback times ``lr_scale`` (two rollbacks to one state at 0.5 make 0.25);
         audited, and what the ``rollback`` command answers. ``episode``: the diagnosis of the
         latest spike or non-finite value, answered as ``abandoned`` when it lies in the
         abandoned steps. ``trouble_since``: the step where the unrecovered spike episode being
         abandoned began; a named target then prefers checkpoints from before the step ahead of
         it, since the update of that step may be what made the loss spike. Under torchrun the
         answer carries every rank's step and weights digest."""
-        from_step = self.progress.step
+        from_step, scale_in_force = self.progress.step, self.progress.lr_scale
         before = (
             trouble_since - 1 if trouble_since is not None and isinstance(target, str) else None
         )
         meta, skipped = self._restore(target, skip_batches, before)
-        self.set_lr_scale(self.progress.lr_scale * lr_scale)
+        # of the scale in force, not the restored one: rollbacks to one state compound
+        self.set_lr_scale(scale_in_force * lr_scale)
         to_step = self.progress.step
         abandoned = episode if episode is not None and episode["step"] > to_step else None
         result: dict[str, Any] = {

@@ -132,6 +132,22 @@ def test_last_good_is_the_newest_healthy_state_in_memory_or_on_disk(tmp_path: Pa
         assert guard.step == 15
 
 
+def test_rollbacks_to_one_state_compound_their_lr_scales(tmp_path: Path) -> None:
+    """The monitor's attempts (lr_scale 1, then 0.5, 0.5: "later attempts halve it again")
+    often go back to the same state, which predates them: each scales the lr in force."""
+    cfg = config(train={"log_every": 5}, snapshot={"every": 10, "keep": 2})
+    guard, model, opt = make_guard(tmp_path, cfg)
+    with guard:
+        train(guard, model, opt, 12)
+        lr = opt.param_groups[0]["lr"]
+        scales = []
+        for attempt in (1.0, 0.5, 0.5):
+            scales.append(guard.rollback(10, skip_batches=0, lr_scale=attempt)["lr_scale"])
+            assert opt.param_groups[0]["lr"] == pytest.approx(lr * scales[-1])
+            train(guard, model, opt, 2)
+    assert scales == [1.0, 0.5, 0.25]
+
+
 def test_store_keeps_the_newest_and_the_newest_healthy_and_hands_out_copies() -> None:
     store = SnapshotStore(keep=2, budget_bytes=10**6)
     weights = torch.zeros(4)
