@@ -82,12 +82,20 @@ def replaceable(path: Path) -> str | None:
     return None
 
 
-def claim_directory(path: Path, mode: int | None) -> None:
+def shared_file_mode(folder: Path) -> int:
+    """The mode for a file about ``folder``'s run: readable by its group where the folder is,
+    never by others."""
+    return stat.S_IMODE(os.stat(folder).st_mode) & 0o640
+
+
+def claim_directory(
+    path: Path, mode: int | None, *, instead: str = "use a run directory of your own"
+) -> None:
     """Make ``path`` a directory of this user's (created with ``mode``, default 0700) or check
     that the existing one is (owned by this user, writable by no one else; ValueError names
     what is wrong); then give it ``mode`` when one is asked for, keeping its setgid bit (files
     then take the directory's group, as a team's shared runs folder wants). Its folder must not
-    let other users replace it (``replaceable``)."""
+    let other users replace it (``replaceable``). ``instead``: the advice that ends a refusal."""
     why_not = replaceable(path)
     if why_not is not None:
         raise ValueError(why_not)
@@ -96,6 +104,6 @@ def claim_directory(path: Path, mode: int | None) -> None:
     except FileExistsError:
         why = distrust(path, frozenset({os.geteuid()}))
         if why is not None:
-            raise ValueError(f"{why}; use a run directory of your own") from None
+            raise ValueError(f"{why}; {instead}") from None
     if mode is not None:
         path.chmod(mode | (path.stat().st_mode & stat.S_ISGID))

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from lossguard.common.control.server import (
     answered_before,
 )
 from lossguard.common.exitcodes import EXIT_PERMANENT, EXIT_RETRYABLE, EXIT_STOPPED
+from lossguard.common.ownership import shared_file_mode
 from lossguard.common.rundir.directory import RunDirectory
 from lossguard.common.rundir.events import (
     COMMAND,
@@ -370,9 +370,8 @@ class Supervisor:
     def _set_state(self, state: SupervisorState, **changes: Any) -> None:
         self.info = self.info.with_state(state, **changes)
         self.metrics.set_state(state)
-        # as private as the run now (the agent applies run.mode after the supervisor starts):
-        # group-readable only in a group-readable run directory
-        mode = stat.S_IMODE(self.run_dir.stat().st_mode) & 0o640
+        # as private as the run now (the agent applies run.mode after the supervisor starts)
+        mode = shared_file_mode(self.run_dir)
         write_atomically(self.run_dir / SUPERVISOR_FILE, self.info.to_json(), mode=mode)
 
     def _start_services(self) -> None:

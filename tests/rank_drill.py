@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -137,6 +138,18 @@ class Steps:
                     event.set()
 
 
+def idle_until(guard: Guard, done: Callable[[], bool]) -> None:
+    """Only poll, as at an idle boundary, until ``done`` (the same on every rank) or a stop."""
+    while not done() and not guard.stop_requested:
+        threading.Event().wait(0.01)
+        guard.poll()
+
+
+def moved(guard: Guard, step: int) -> bool:
+    """Whether a rollback moved the loop off ``step``."""
+    return guard.step != step
+
+
 def released(flag: Path) -> bool:
     """Whether ``flag`` exists on any rank's view (one all-reduce: every rank leaves the hold
     at the same poll)."""
@@ -223,14 +236,10 @@ def main(out: Path, plan: dict[str, Any]) -> int:
             guard.poll()
             if guard.step == awaiting:  # once: the replayed steps train on
                 awaiting = None
-                while guard.step == step and not guard.stop_requested:
-                    threading.Event().wait(0.01)
-                    guard.poll()
+                idle_until(guard, functools.partial(moved, guard, step))
             if guard.step == holding:
                 holding = None
-                while not released(out / "release") and not guard.stop_requested:
-                    threading.Event().wait(0.01)
-                    guard.poll()
+                idle_until(guard, lambda: released(out / "release"))
             reached.reached(guard.step)
             if guard.stop_requested or guard.step >= steps:
                 done = True

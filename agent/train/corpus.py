@@ -21,7 +21,7 @@ import numpy as np
 
 from lossguard.agent.config import DataConfig
 from lossguard.common.config import ConfigError
-from lossguard.common.ownership import PRIVATE_DIR, distrust, replaceable
+from lossguard.common.ownership import PRIVATE_DIR, claim_directory
 
 BYTE_VOCAB_SIZE = 256
 GPT2_PADDED_VOCAB_SIZE = 50304
@@ -102,22 +102,14 @@ def cache_dir(cfg: DataConfig, runs: Path) -> Path:
 
 
 def claim_cache(folder: Path) -> None:
-    """Make ``folder`` this user's private cache (0700), or check that the existing one is:
-    owned by this user, writable by no one else, not a symbolic link. Anyone who can write in
-    it could plant the tokens a run trains on; anyone who can read it, read the data."""
+    """Make ``folder`` this user's private cache (0700), or check that the existing one is
+    (``claim_directory``): anyone who can write in it could plant the tokens a run trains on;
+    anyone who can read it, read the data."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    why_not = replaceable(folder)
-    if why_not is not None:
-        raise DataError(f"data cache: {why_not}")
     try:
-        folder.mkdir(mode=PRIVATE_DIR)
-    except FileExistsError:
-        why = distrust(folder, frozenset({os.geteuid()}))
-        if why is not None:
-            raise DataError(
-                f"data cache: {why}; set data.cache_dir to a folder of your own"
-            ) from None
-    folder.chmod(PRIVATE_DIR)
+        claim_directory(folder, PRIVATE_DIR, instead="set data.cache_dir to a folder of your own")
+    except ValueError as exc:
+        raise DataError(f"data cache: {exc}") from None
 
 
 def _write_splits(out_dir: Path, tokens: np.ndarray, val_fraction: float) -> None:

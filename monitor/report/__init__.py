@@ -4,10 +4,10 @@ page and one PNG overview. Torch-free."""
 
 from __future__ import annotations
 
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from lossguard.common.ownership import shared_file_mode
 from lossguard.common.rundir.files import write_atomically
 from lossguard.monitor.report.data import ReportError, read_run
 
@@ -27,7 +27,7 @@ def write_report(
     run_dir: Path, out_dir: Path | None = None, *, state_db: Path | None = None
 ) -> ReportFiles:
     """Write ``report.html`` and ``report.png`` of the run in ``run_dir`` into ``out_dir``
-    (default: ``run_dir``), with the run's file mode (its directory's, less execute);
+    (default: ``run_dir``), as private as the run (``shared_file_mode``);
     ``state_db``: the monitor's state database, for the run's alerts and actions. Raises
     ReportError naming the problem."""
     from lossguard.monitor.report.figures import overview_png
@@ -36,8 +36,7 @@ def write_report(
     run = read_run(Path(run_dir), state_db)
     out = Path(out_dir) if out_dir is not None else run.run_dir
     files = ReportFiles(out / HTML_NAME, out / PNG_NAME)
-    # as private as the run's own files: a report of a 0700 run is 0600, of a 0750 one 0640
-    mode = stat.S_IMODE(run.run_dir.stat().st_mode) & 0o666
+    mode = shared_file_mode(run.run_dir)  # a report of a 0700 run is 0600, of a 0750 one 0640
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_atomically(files.html, render(run), mode=mode)
