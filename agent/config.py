@@ -354,11 +354,20 @@ class SpikeConfig(Section):
     recover_steps: int = Field(
         default=20, ge=1, description="M: steps back within the band that end an episode."
     )
+    level_shift_after: int = Field(
+        default=100,
+        description="Steps of a loss episode after which a flat or falling step-up, with a calm "
+        "grad norm, is taken as the new level; keep it below LossSpikeNotRecovering's 300.",
+    )
 
     @model_validator(mode="after")
-    def _history_fits_window(self) -> SpikeConfig:
+    def _lengths_fit(self) -> SpikeConfig:
         if self.min_history > self.window:
             raise field_error("min_history", f"must be <= window ({self.window})")
+        if self.level_shift_after <= self.recover_steps:
+            raise field_error(
+                "level_shift_after", f"must be > recover_steps ({self.recover_steps})"
+            )
         return self
 
 
@@ -418,6 +427,7 @@ class WandbConfig(Section):
 FaultKind = Literal[
     "lr_scale",
     "nonfinite_loss",
+    "loss_shift",
     "corrupt_batch",
     "scale_activations",
     "activation_outlier",
@@ -438,6 +448,7 @@ class FaultConfig(Section):
     seconds: float = Field(
         default=1.0, gt=0.0, description="slow_step, slow_save: added wall time."
     )
+    amount: float = Field(default=0.3, description="loss_shift: added to the step's loss.")
     once: bool = Field(
         default=False,
         description="A transient fault: it perturbs the first pass over its steps only, not a "

@@ -63,7 +63,7 @@ from lossguard.agent.telemetry.log_interval import IntervalLog
 from lossguard.agent.telemetry.lr_watch import lr_watch
 from lossguard.agent.telemetry.sinks import Sink
 from lossguard.agent.update_skips import UpdateSkips
-from lossguard.common.control.protocol import SkipBatches, Target
+from lossguard.common.control.protocol import SkipBatches, Target, check_reason
 from lossguard.common.control.server import ControlServer
 from lossguard.common.exitcodes import EXIT_CODES, EXIT_RETRYABLE
 from lossguard.common.rundir.checkpoints import CheckpointMeta
@@ -182,6 +182,7 @@ class Guard:
                 else None
             ),
             group=self._group,
+            rank=self.rank,
         )
         self._skips = UpdateSkips(
             self.config,
@@ -556,6 +557,15 @@ class Guard:
     def set_lr_scale(self, scale: float) -> None:
         """Multiply the learning rate by ``scale`` relative to the schedule, from now on."""
         self.recovery.set_lr_scale(scale)
+
+    def expect_change(self, reason: str = "", *, request_id: str | None = None) -> dict[str, Any]:
+        """The loss is expected to change level from here (a planned data-mix change): the
+        spike detectors take the current level as their baseline (windows emptied, episodes
+        ended) and an ``expected_change`` event is written. Under torchrun, call it on every
+        rank at the same step. ``reason``: printable, at most 200 characters (ValueError
+        otherwise); ``request_id``: the control command's, when one asked. Returns
+        ``{"step": N}``, the step it applies after."""
+        return self.log.expect_change(self.step, check_reason(reason), request_id)
 
     def finish(self) -> None:
         """Training ended normally: save the final state (``checkpoint.save_on_exit``; not

@@ -14,6 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 PREFIX = "lossguard_"
 BASE_LABELS = ("run_id", "rank")
 SIGNALS = ("loss", "grad_norm")
+LEVEL_SHIFT_SIGNALS = ("loss",)  # judged for level shifts (agent/telemetry/level_shift.py)
 FP8_TENSORS = ("input", "weight", "grad_output")
 MEMORY_KINDS = ("allocated", "reserved", "peak_allocated")
 CHECKPOINT_KINDS = ("latest", "best", "last_good")
@@ -48,6 +49,17 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "spike_active": ("gauge", "1 while a spike episode is unrecovered.", ("signal",)),
     "spike_duration_steps": ("gauge", "Length of the current spike episode.", ("signal",)),
     "nonfinite": ("counter", "Non-finite values seen.", ("signal",)),
+    "level_shifts": (
+        "counter",
+        "Spike episodes taken as a lasting level shift and ended (a flat or falling step-up, "
+        "all finite, with a calm grad norm).",
+        ("signal",),
+    ),
+    "level_shift_step": (
+        "gauge",
+        "First step of the last episode taken as a level shift in this timeline, -1 when none.",
+        ("signal",),
+    ),
     "nonfinite_step": (
         "gauge",
         "Step of the last non-finite value in this timeline, -1 when none.",

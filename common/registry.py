@@ -22,6 +22,7 @@ from lossguard.common.catalogue import (
     BASE_LABELS,
     CATALOGUE,
     CONTROL_REFUSALS,
+    LEVEL_SHIFT_SIGNALS,
     NVML_METRICS,
     OPTIMIZER_COUNTERS,
     PREFIX,
@@ -36,6 +37,7 @@ SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 COUNTER_LABELS: dict[str, list[dict[str, str]]] = {
     "spikes": [{"signal": s} for s in SIGNALS],
     "nonfinite": [{"signal": s} for s in SIGNALS],
+    "level_shifts": [{"signal": s} for s in LEVEL_SHIFT_SIGNALS],
     "skipped_steps": [{"reason": r} for r in SKIP_REASONS],
     "control_commands": [],  # created by the first command
     "control_refusals": [{"reason": r} for r in CONTROL_REFUSALS],

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
         "demo",
-        help="the whole story on CPU: a tiny GPT diverges, the monitor pages and rolls it back",
+        help="the whole story on CPU: a tiny GPT diverges, the monitor rolls it back and "
+        "announces it",
     )
     demo.add_argument(
         "--steps",
@@ -81,7 +82,7 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         choices=("lr", "nan"),
         default="lr",
         help="lr: the learning rate x1000 (LossSpikeNotRecovering, about 2 minutes); "
-        "nan: a NaN loss (LossNonFinite, within seconds)",
+        "nan: NaN losses for 40 steps (LossNonFinite, within seconds of the 40th)",
     )
     demo.add_argument("--plain", action="store_true", help="plain lines, no live view")
     demo.add_argument(

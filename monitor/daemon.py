@@ -18,6 +18,7 @@ from lossguard.monitor.actions.corroborate import Corroborator, confirm_window_s
 from lossguard.monitor.actions.engine import Actions, Refusal
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionRecord
+from lossguard.monitor.actions.outcomes import hold_for
 from lossguard.monitor.config import MonitorConfig, webhook_token
 from lossguard.monitor.http.read_api import api_routes
 from lossguard.monitor.http.server import MonitorServer
@@ -83,11 +84,12 @@ class Monitor:
         integrations = build_integrations(
             config.notifications, secrets, external_url=config.rules.external_url
         )
+        facts = RunFacts(self.source)
         self.dispatcher = Dispatcher(
             self.store,
             config.notifications,
             integrations,
-            facts=RunFacts(self.source),
+            facts=facts,
             annotate=lambda alert: self.actions.annotate(alert),
         )
         self.actions = Actions(
@@ -104,6 +106,8 @@ class Monitor:
                 self.source.query,
                 confirm_within_s=confirm_window_s(self._view_update_s()),
             ),
+            step_of=facts.step,
+            announce_for_s=hold_for(r.group_wait_s for r in self.dispatcher.routes.values()),
         )
         delivery = config.notifications.delivery
         self.deliverer = Deliverer(
@@ -215,6 +219,7 @@ class Monitor:
             groups=groups,
             observe=self.metrics.evaluation.observe,
             history_start=history_start,
+            expr_query=self.source.query,
         )
         evaluated = [e for e in self.ruleset.rules if groups is None or e.group.key in groups]
         for entry in evaluated:
@@ -252,11 +257,11 @@ class Monitor:
             log.exception("actions cycle failed")
 
     def _acted(self, record: ActionRecord) -> None:
-        """An action was answered: the receivers told of its alert hear what was done."""
+        """An action was answered: announced, or paged for when it failed (``Outcomes``)."""
         try:
-            self.dispatcher.retell(record.fingerprint, time.time())
+            self.actions.tell(record, time.time())
         except sqlite3.Error as exc:
-            log.error("state database: %s; the action shows in the next notification", exc)
+            log.error("state database: %s; action %s is not told", exc, record.id)
         self._wake.set()
 
     def receive_alertmanager(self, alerts: list[IncomingAlert]) -> list[Refusal]:

@@ -6,28 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 from lossguard.monitor.actions.describe import describe
-from lossguard.monitor.actions.exhausted import RULE_KEY, ExhaustedPages
 from lossguard.monitor.actions.model import ActionRecord
-from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
+from lossguard.monitor.actions.raised import RaisedAlerts
 from lossguard.monitor.state import StateStore, value_text
 
 
 def active_alerts(state: StateStore) -> list[dict[str, Any]]:
     """The pending and firing alerts as the last evaluation recorded them, the monitor's own
-    RollbacksExhausted pages included, longest in their state first. ``since``: when the alert
+    (pages and announcements) included, longest in their state first. ``since``: when the alert
     entered its state; ``value`` as text (NaN included)."""
     alerts = [a for found in state.load_alerts().values() for a in found] + [
-        Alert(
-            rule=RULE_KEY,
-            fingerprint=fingerprint(p["labels"]),
-            labels=p["labels"],
-            annotations=p["annotations"],
-            state=AlertState.FIRING,
-            value=p["value"],
-            active_at=p["fired_at"],
-            fired_at=p["fired_at"],
-        )
-        for p in ExhaustedPages(state).firing()
+        raised.alert for raised in RaisedAlerts(state).firing()
     ]
     listed = [
         {

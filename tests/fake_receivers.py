@@ -398,12 +398,13 @@ class Incident:
 
     routing_key: str
     dedup_key: str
-    summary: str
+    summary: str  # the first trigger's: a trigger folded in is logged, it changes nothing
     severity: str
     opened_at: float
     triggers: int = 1  # trigger events folded into it, the first included
     acknowledged_at: float | None = None
     resolved_at: float | None = None
+    log: list[str] = field(default_factory=list)  # each trigger's summary, in order
 
     @property
     def open(self) -> bool:
@@ -437,7 +438,7 @@ class FakePagerDuty(FakeService):
     def incidents(self) -> list[Incident]:
         """Every incident, in the order they were opened (copies)."""
         with self._lock:
-            return [Incident(**vars(i)) for i in self._incidents]
+            return [Incident(**{**vars(i), "log": list(i.log)}) for i in self._incidents]
 
     def open_incidents(self) -> list[Incident]:
         return [i for i in self.incidents if i.open]
@@ -480,10 +481,17 @@ class FakePagerDuty(FakeService):
         action = event["event_action"]
         if action == "trigger" and current is not None:
             current.triggers += 1
+            current.log.append(event["payload"]["summary"])
         elif action == "trigger":
             payload = event["payload"]
             self._incidents.append(
-                Incident(*key, payload["summary"], payload["severity"], opened_at=at)
+                Incident(
+                    *key,
+                    payload["summary"],
+                    payload["severity"],
+                    opened_at=at,
+                    log=[payload["summary"]],
+                )
             )
         elif current is not None and action == "acknowledge":
             current.acknowledged_at = at

@@ -31,6 +31,20 @@ def prometheus_binary() -> str:
     return path
 
 
+def promtool_test_rules(test_file: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``promtool test rules TEST_FILE`` (its rule files are found relative to it; a missing
+    promtool fails)."""
+    promtool = shutil.which("promtool")
+    assert promtool is not None, "promtool is not installed: apt-get install prometheus"
+    return subprocess.run(
+        [promtool, "test", "rules", str(test_file)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 @dataclass
 class ServerProcess:
     """A server binary running on 127.0.0.1:``port``, logging to ``directory/LOG_FILE``."""

@@ -1,13 +1,14 @@
 """The standard ops path acting on training, end to end, all real: an agent training a tiny GPT
-with a transient NaN, Prometheus scraping it and evaluating the shipped LossNonFinite rule,
-Alertmanager grouping the alert and POSTing it (with a bearer token) to the monitor's webhook,
-and the monitor, whose own rules do not act (``triggers: [alertmanager]``) but confirm the alert
-on its own scrape, rolling the run back through its control socket. A silence on the monitor
-holds the rollback back at first, so that Alertmanager sends the firing alert again and again
-(repeat_interval 1s); neither those repeats nor the same notification replayed after the alert
-resolved make a second rollback. Alertmanager and Prometheus, behind basic auth as in the
-compose stack, refuse requests without it; forged alerts posted to Alertmanager with it, which
-it forwards with the token, are refused by the monitor, and nothing is sent to the run."""
+with NaN losses that keep coming (until a rollback: they do not recur on the replay), Prometheus
+scraping it and evaluating the shipped LossNonFinite rule, Alertmanager grouping the alert and
+POSTing it (with a bearer token) to the monitor's webhook, and the monitor, whose own rules do
+not act (``triggers: [alertmanager]``) but confirm the alert on its own scrape, rolling the run
+back through its control socket. A silence on the monitor holds the rollback back at first, so
+that Alertmanager sends the firing alert again and again (repeat_interval 1s); neither those
+repeats nor the same notification replayed after the alert resolved make a second rollback.
+Alertmanager and Prometheus, behind basic auth as in the compose stack, refuse requests without
+it; forged alerts posted to Alertmanager with it, which it forwards with the token, are refused
+by the monitor, and nothing is sent to the run."""
 
 from __future__ import annotations
 
@@ -113,9 +114,9 @@ def test_an_alert_through_prometheus_and_alertmanager_rolls_the_run_back_once(
     assert silenced.returncode == 0, silenced.stderr
     webhook = f"{monitor_url}{MONITOR_WEBHOOK_PATH}"
     monitor = start_monitor(config, env={TOKEN_ENV: TOKEN})
-    # transient (gone on replay); checkpoints every 50 steps: the rollback goes to step 50,
-    # if it comes before the checkpoint at step 100 (13.5 s after the NaN) ends the alert
-    nan = {"kind": "nonfinite_loss", "step": 55, "once": True}
+    # NaNs from step 55 on, gone on replay; checkpoints every 50 steps: nothing healthy after
+    # the NaNs, so the rollback goes to step 50
+    nan = {"kind": "nonfinite_loss", "step": 55, "duration": 10**6, "once": True}
     settings = agent_settings(runs, corpus_cache, "amrun", nan, step_s=0.3, slow_from=45)
     agent = start_agent(write_config(tmp_path / "agent.yaml", settings))
     metrics_url = f"http://127.0.0.1:{settings['telemetry']['port']}/metrics"

@@ -64,6 +64,10 @@ def test_shipped_gpt2_config_names_its_missing_data() -> None:
             {"faults": [{"kind": "crash", "step": 1, "ranks": []}]},
             "faults.0.ranks: must list at least one rank",
         ),
+        (
+            {"telemetry": {"spikes": {"recover_steps": 30, "level_shift_after": 30}}},
+            "telemetry.spikes.level_shift_after: must be > recover_steps (30)",
+        ),
     ],
 )
 def test_bad_values_name_key_and_reason(data: dict, message: str) -> None:

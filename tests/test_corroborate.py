@@ -83,6 +83,8 @@ class Pipeline:
                 query or (lambda expr, t: evaluate(expr, data, t)),
                 confirm_within_s=confirm_within_s,
             ),
+            step_of=lambda run, now: None,
+            announce_for_s=3600,
         )
 
     def receive(self, alert_labels: dict[str, str], starts_at: float = T0 - 5):

@@ -116,6 +116,7 @@ RESULTS: dict[str, dict[str, Any]] = {
     "pause": {"step": 1840, "paused": True},
     "resume": {"step": 1840, "paused": False},
     "set_lr_scale": {"lr_scale": 0.5, "lr": 3e-4},
+    "expect_change": {"step": 1840},
     "stop": {"step": 1840, "checkpoint": "step_00001840"},
 }
 # (command line after the address, protocol command)
@@ -127,6 +128,7 @@ COMMAND_LINES = [
     (["pause"], "pause"),
     (["resume"], "resume"),
     (["set-lr-scale", "0.5"], "set_lr_scale"),
+    (["expect-change", "--reason", "data mix v2"], "expect_change"),
     (["stop"], "stop"),
 ]
 
@@ -346,6 +348,11 @@ def test_checkpoints_table_marks_latest_best_and_last_good(capsys, unix_agent: F
         (["resume"], None, "resumed at step 1840"),
         (["set-lr-scale", "0.5"], None, "lr scale 0.5 (lr 3.0e-04)"),
         (["set-lr-scale", "2"], {"lr_scale": 2.0, "lr": None}, "lr scale 2"),
+        (
+            ["expect-change"],
+            None,
+            "change expected at step 1840: the spike detectors start again from the current level",
+        ),
         (["stop"], None, "stopping at step 1840; saved step_00001840"),
         (["stop"], {"step": 3, "checkpoint": None}, "stopping at step 3; no checkpoint saved"),
     ],
@@ -412,6 +419,20 @@ def test_skip_batches_abandoned_on_the_wire_and_in_words(capsys, unix_agent: Fak
     unix_agent.respond = lambda request: ok_reply(request.id, {**STATUS, "episode": spike})
     code, out, _ = ctl(capsys, "status", agent=unix_agent)
     assert code == 0 and out.endswith("episode    loss spike at step 1805 (9.5, z 14.2)\n")
+
+
+def test_expect_change_sends_its_reason_and_refuses_a_bad_one(
+    capsys, unix_agent: FakeAgent
+) -> None:
+    assert ctl(capsys, "expect-change", "--reason", "data mix v2", agent=unix_agent)[0] == 0
+    assert ctl(capsys, "expect-change", agent=unix_agent)[0] == 0
+    assert [r.args for r in unix_agent.requests] == [{"reason": "data mix v2"}, {"reason": ""}]
+    for bad, why in (("two\nlines", "printable text on one line"), ("x" * 201, "at most 200")):
+        code, out, err = ctl(capsys, "expect-change", "--reason", bad, agent=unix_agent)
+        assert (code, out) == (2, "")
+        assert err.splitlines()[-1].startswith("lossguard-ctl: error: expect-change: reason: must")
+        assert why in err
+    assert len(unix_agent.requests) == 2  # nothing was sent for the bad ones
 
 
 @pytest.mark.parametrize("skip", ["all", "1.5", "-1", ""])

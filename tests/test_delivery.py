@@ -77,6 +77,34 @@ def queue(store: NotifyStore, lane: str, status: Status = "firing", alert: str =
         return NotifyStore.queue(db, notification)
 
 
+def queue_group(store: NotifyStore, lane: str, statuses: list[Status]) -> int:
+    """One notification of a group of alerts (a node's ranks, one per status)."""
+    receiver, rest = lane.split("/")
+    alerts = tuple(
+        AlertInfo(
+            fingerprint=f"{rank:016x}",
+            status=status,
+            labels={"alertname": "Down", "severity": "critical", "run_id": "r", "rank": str(rank)},
+            annotations={"summary": f"rank {rank} down"},
+            value=0.0,
+            starts_at=time.time(),
+            ends_at=time.time() if status == "resolved" else None,
+        )
+        for rank, status in enumerate(statuses)
+    )
+    notification = Notification(
+        receiver=receiver,
+        integration=rest.split("[")[0],
+        index=0,
+        group_key='{}:{alertname="Down", run_id="r"}',
+        group_labels={"alertname": "Down", "run_id": "r"},
+        alerts=alerts,
+        created_at=time.time(),
+    )
+    with store.state.transaction() as db:
+        return NotifyStore.queue(db, notification)
+
+
 def deliver_until(
     store: NotifyStore, lanes: dict[str, Integration], done: Callable[[], bool], what: str
 ) -> list[tuple[str, str]]:
@@ -177,6 +205,28 @@ def test_each_lane_keeps_its_services_pace_and_its_order(
     assert [a for a, _ in actions] == ["trigger", "resolve", "trigger"]
     incidents = {i.dedup_key: i for i in pager.incidents}
     assert len(incidents) == 2 and not incidents[actions[0][1]].open
+
+
+def test_a_group_is_one_pagerduty_incident_resolved_with_its_last_alert(
+    store: NotifyStore, slack: FakeSlack, pager: FakePagerDuty
+) -> None:
+    pager.script([502])  # the first trigger is retried
+    firing: list[Status] = ["firing"] * 4
+    resolved: list[Status] = ["resolved"] * 4
+    queue_group(store, PAGER, firing + firing)
+    queue_group(store, PAGER, firing + resolved)  # the group still fires
+    queue_group(store, PAGER, resolved)
+    deliver_until(
+        store,
+        integrations(slack, pager),
+        lambda: PENDING not in states(store).values(),
+        "all delivered",
+    )
+    assert [e.body["event_action"] for e in pager.events] == ["trigger", "trigger", "resolve"]
+    (incident,) = pager.incidents
+    assert incident.triggers == 2 and not incident.open
+    assert incident.summary.startswith("[critical] 8 alerts firing: Down run=r rank=0: rank 0")
+    assert incident.log[1].startswith("[critical] 4 alerts firing: ")
 
 
 def test_a_new_deliverer_finishes_what_a_stopped_one_left(

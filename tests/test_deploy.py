@@ -95,11 +95,13 @@ def test_prometheus_config_passes_promtool() -> None:
 def test_alertmanager_config_routes_and_inhibits() -> None:
     checked = amtool("check-config", str(ALERTMANAGER_YML))
     assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
-    routes = {
+    routes = {  # the three outcomes (docs/runbook.md): pages, announcements, nothing
         "alertname=TrainingProcessDied severity=critical": "pagerduty,slack",
-        "alertname=LossNonFinite action=rollback severity=critical": (
-            "lossguard-monitor,pagerduty,slack"
-        ),
+        "alertname=ActionFailed severity=critical kind=rollback": "pagerduty,slack",
+        "alertname=LossNonFinite action=rollback severity=info": "lossguard-monitor",
+        "alertname=ActionTaken announce=once severity=info kind=rollback": "slack-announcements",
+        "alertname=LossNonFiniteSkipped announce=once severity=info": "slack-announcements",
+        "alertname=LossLevelShift severity=info": "nobody",
         "alertname=LowMFU severity=warning": "slack",
     }
     for labels, receivers in routes.items():

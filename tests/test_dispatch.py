@@ -1,6 +1,7 @@
 """The dispatcher on a real state database with an explicit clock: grouping, group_wait,
 group_interval, repeat_interval, send_resolved, routing with continue, inhibition, silences,
-one PagerDuty event per alert, and a restart in the middle that neither loses nor repeats."""
+one PagerDuty event per group notification, and a restart in the middle that neither loses nor
+repeats."""
 
 from __future__ import annotations
 
@@ -135,6 +136,37 @@ def test_resolved_is_sent_once_and_the_group_ends(harness: Harness) -> None:
     assert h.step(25) == [] and h.dispatcher.next_flush() is None
 
 
+def test_an_announcement_is_told_once_when_it_fires_never_as_resolved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped routes (configs/monitor.yml, uncommented): announcements go to the team
+    channel one group each, after the root's 30 s group_wait, whatever else fires for the run;
+    criticals page; info tells no one."""
+    routes = [
+        {"receiver": "slack", "matchers": ['announce="once"'], "group_by": ["..."]},
+        {"receiver": "pager", "matchers": ['severity="critical"'], "continue": True},
+        {"receiver": "slack", "matchers": ['severity=~"critical|warning"']},
+    ]
+    h = Harness(
+        tmp_path / "state.db",
+        notifications(receiver="quiet", group_wait="30s", group_interval="5m", routes=routes),
+        monkeypatch,
+    )
+    action = {"alertname": "ActionTaken", "run_id": "a", "severity": "info", "announce": "once"}
+    h.fire(0, **action, action_id="lg-1")
+    h.fire(1, alertname="LossNonFinite", run_id="a", severity="info", action="rollback")
+    h.fire(2, **action, action_id="lg-2")
+    assert h.step(29) == []
+    assert summary(h.step(30)) == [("slack", [("ActionTaken/a", "firing")])]
+    assert summary(h.step(31)) == [("quiet", [("LossNonFinite/a", "firing")])]
+    assert summary(h.step(32)) == [("slack", [("ActionTaken/a", "firing")])]  # its own group
+    h.resolve(100, alertname="LossNonFinite", run_id="a", severity="info", action="rollback")
+    assert h.step(331) == []  # the quiet receiver takes no resolved
+    h.resolve(3600, **action, action_id="lg-1")
+    h.resolve(3602, **action, action_id="lg-2")
+    assert h.step(4000) == [] and h.step(8000) == []  # never told as resolved, nor repeated
+
+
 def test_an_alert_that_resolves_before_it_was_sent_is_never_sent(harness: Harness) -> None:
     h = harness
     h.fire(0, alertname="Blip", run_id="a")
@@ -166,10 +198,10 @@ def test_routes_with_continue_and_send_resolved(
     h.fire(0, alertname="NaN", run_id="a", severity="critical", rank="1")
     h.fire(0, alertname="Note", run_id="a", severity="info")
     notes = h.step(5)
-    # PagerDuty gets one event per alert; continue lets the critical alerts reach Slack too
+    # PagerDuty gets one event for the group, as Slack does; continue lets the critical alerts
+    # reach Slack too
     assert sorted((n.receiver, len(n.alerts)) for n in notes) == [
-        ("pager", 1),
-        ("pager", 1),
+        ("pager", 2),
         ("quiet", 1),
         ("slack", 2),
     ]
@@ -178,8 +210,7 @@ def test_routes_with_continue_and_send_resolved(
     notes = h.step(15)
     # quiet has send_resolved false: it is told nothing
     assert sorted(summary(notes)) == [
-        ("pager", [("NaN/a", "firing")]),  # the whole group again, as Alertmanager sends it
-        ("pager", [("NaN/a", "resolved")]),
+        ("pager", [("NaN/a", "firing"), ("NaN/a", "resolved")]),  # the whole group again
         ("slack", [("NaN/a", "firing"), ("NaN/a", "resolved")]),
     ]
 

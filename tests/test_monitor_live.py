@@ -1,11 +1,12 @@
 """The monitor against live agents with injected faults, side by side with a real Prometheus
 server evaluating the very same rules file on the very same agents.
 
-One scenario, so its slow parts overlap: a NaN fault makes LossNonFinite fire and, once a healthy
-checkpoint is saved past the bad step (asked for over the control socket, once the rest has been
-seen), resolve (the monitor's actions are off: here it only
-watches, as Prometheus does); a SIGKILLed agent is known dead (TrainingProcessDied, from the
-series the monitor exports on its /metrics, which Prometheus scrapes too), and
+One scenario, so its slow parts overlap: NaNs that keep coming make LossNonFinite fire and, once
+the run is rolled back before them (asked for over the control socket, once the rest has been
+seen), resolve (the monitor's actions are off: here it only watches, as Prometheus does, and
+pages ActionFailed for the alert nobody acts on); a SIGKILLed agent is known dead
+(TrainingProcessDied, from the series the monitor exports on its /metrics, which Prometheus
+scrapes too), and
 LossguardAgentDown fires for it in neither; the monitor itself is SIGKILLed and restarted
 mid-alert and carries on with the same alert (same fingerprint, announced once). Prometheus
 must fire and resolve the same alerts, with the same labels, within a few scrape intervals of
@@ -113,7 +114,7 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
     runs = tmp_path / "runs"
     throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.03}
     faults = {
-        "nan": [{"kind": "nonfinite_loss", "step": 60, "duration": 2}, throttle],
+        "nan": [{"kind": "nonfinite_loss", "step": 60, "duration": 10**6, "once": True}, throttle],
         "victim": [throttle],
     }
     ports = {run_id: free_port() for run_id in faults}
@@ -144,10 +145,10 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
                 run={"id": run_id},
                 train={"max_steps": 10**7, "log_every": 5, "eval_every": 10**6},
                 telemetry={"port": ports[run_id]},
-                # no healthy state past the NaN until the test asks for one (below), after the
-                # monitor's restart while the alert fires
+                # one healthy state, before the NaNs (step 50): the test rolls back to it
+                # (below), after the monitor's restart while the alert fires
                 checkpoint={"every": 10**6, "keep_last": 5},
-                snapshot={"every": 10**6},
+                snapshot={"every": 50},
                 faults=run_faults,
             )
             agents[run_id] = start_agent(write_config(tmp_path / f"{run_id}.yaml", settings))
@@ -189,15 +190,14 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
             )
             wait_for(lambda: died_key in theirs.pending, 30, "Prometheus: the victim died")
 
-            # training healthy again, and a checkpoint saved: LossNonFinite resolves in both
+            # rolled back before the NaNs (which do not recur): LossNonFinite resolves in both
             with ControlClient(socket_path=runs / "nan" / SOCKET_NAME, timeout=60) as client:
-                saved = client.request("save")
-            assert saved["healthy"] and saved["step"] > 61
+                rolled = client.request("rollback", {"target": "last_good"})
+            assert rolled["to_step"] == 50 and rolled["from_step"] >= 100
             resolved = wait_for(
                 lambda: monitor_times(db, "resolved", "LossNonFinite"), 200, "NaN resolved"
             )
-            # by the healthy checkpoint past the bad steps
-            assert last_good_step(ports["nan"]) >= saved["step"]
+            assert last_good_step(ports["nan"]) >= 50
             wait_for(lambda: nan_key in theirs.ended, 30, "Prometheus resolving LossNonFinite")
             assert abs(theirs.ended[nan_key] - resolved[nan_key]) < AGREEMENT_S
             assert agents["nan"].poll() is None  # the NaN never stopped training

@@ -165,7 +165,7 @@ def test_every_notification_arrives_exactly_once_through_failures_and_kills(
         ]
         assert len(failures) >= ALERTS  # the chaos was real
 
-        # PagerDuty: one incident per alert, opened once and resolved
+        # PagerDuty: one incident per group (one alert each here), opened once and resolved
         incidents = pager.incidents
         assert len({i.dedup_key for i in incidents}) == len(incidents) == ALERTS
         assert all(i.resolved_at is not None for i in incidents)

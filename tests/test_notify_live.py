@@ -127,13 +127,14 @@ def test_a_nan_pages_slack_and_pagerduty_then_resolves_in_both(
             trigger = pager.events[0].body
             assert trigger["event_action"] == "trigger"
             assert trigger["dedup_key"] == incident.dedup_key
-            assert trigger["dedup_key"].startswith("lossguard-")
+            assert re.fullmatch("[0-9a-f]{64}", trigger["dedup_key"])  # the group key's SHA-256
             payload = trigger["payload"]
             assert payload["severity"] == "critical" and payload["class"] == "LossNonFinite"
             assert payload["group"] == "nanrun" and payload["component"] == "rank 0"
             assert payload["summary"].startswith("[critical] LossNonFinite run=nanrun rank=0")
-            assert payload["custom_details"]["step"] >= 40
-            assert payload["custom_details"]["actions"][0] in ("skipped 1 step", "skipped 2 steps")
+            (nan,) = payload["custom_details"]["alerts"]
+            assert nan["step"] >= 40
+            assert nan["actions"][0] in ("skipped 1 step", "skipped 2 steps")
             assert {link["text"] for link in trigger["links"]} == {"Dashboard", "Runbook"}
 
             firing_status = monitor_cli("status", "--config", str(config))

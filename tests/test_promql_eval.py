@@ -169,3 +169,31 @@ def test_evaluation_errors() -> None:
     with pytest.raises(EvaluationError, match="many-to-one matching must be explicit"):
         evaluate("c + on(job) a", storage, 0)
     assert evaluate("c > on(job) (a * 2)", storage, 0) == []  # filtered before the check
+
+
+def test_topk_and_bottomk_keep_whole_samples_in_prometheus_order() -> None:
+    """Each group's k samples with their metric name, highest (lowest) first, groups in order
+    of first appearance; NaN is the first dropped; k is truncated toward zero, below 1 empty."""
+    storage = MemoryStorage()
+    values = {"0": 3.0, "1": 1.0, "2": 4.0, "3": 1.5, "4": math.nan, "5": 9.0, "6": 2.0}
+    for rank, value in values.items():
+        storage.add({"__name__": "mfu", "rank": rank, "node": "n" + str(int(rank) % 2)}, 0, value)
+
+    def ranks(expr: str) -> list[tuple[str, float]]:
+        result = evaluate(expr, storage, 0)
+        assert isinstance(result, list)
+        assert all(dict(s.labels)["__name__"] == "mfu" for s in result)
+        return [(dict(s.labels)["rank"], s.value) for s in result]
+
+    assert ranks("topk(3, mfu)") == [("5", 9.0), ("2", 4.0), ("0", 3.0)]
+    assert ranks("bottomk(3, mfu)") == [("1", 1.0), ("3", 1.5), ("6", 2.0)]
+    assert ranks("topk by (node) (1, mfu)") == [("2", 4.0), ("5", 9.0)]
+    assert ranks("bottomk(2.9, mfu) by (node)") == [("6", 2.0), ("0", 3.0), ("1", 1.0), ("3", 1.5)]
+    assert ranks("topk(8, mfu)")[-1][0] == "4" and math.isnan(ranks("topk(8, mfu)")[-1][1])
+    assert ranks("bottomk(8, mfu)")[-1][0] == "4"
+    assert ranks("topk(0.9, mfu)") == ranks("topk(-1, mfu)") == []
+    assert ranks('topk(scalar(mfu{rank="1"}), mfu)') == [("5", 9.0)]
+    with pytest.raises(EvaluationError, match="Scalar value NaN overflows int64"):
+        evaluate('topk(scalar(mfu{rank="4"}), mfu)', storage, 0)
+    with pytest.raises(EvaluationError, match=r"Scalar value 1e\+19 overflows int64"):
+        evaluate("bottomk(1e19, mfu)", storage, 0)

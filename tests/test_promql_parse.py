@@ -119,7 +119,7 @@ def test_selectors_and_strings() -> None:
     [
         ("histogram_quantile(0.9, rate(a[5m]))", "function histogram_quantile", "rate, increase"),
         ("label_replace(a, 'dst', '$1', 'src', '(.*)')", "function label_replace", "scalar"),
-        ("topk(3, a)", "aggregation topk", "sum, min, max, avg, count"),
+        ("quantile(0.9, a)", "aggregation quantile", "sum, min, max, avg, count, topk, bottomk"),
         ("a * on(x) group_left(y) b", "group_left", "one-to-one vector matching"),
         ("a / ignoring(x) group_right b", "group_right", "one-to-one"),
         ("max_over_time(rate(a[5m])[1h:])", "subqueries", "range selectors"),
@@ -167,6 +167,12 @@ def test_refusal_message_in_full() -> None:
         ("rate(a[5m],)", "trailing commas not allowed in function call args"),
         ("sum(1)", "expected type instant vector in aggregation expression, got scalar"),
         ("sum(a, b)", "expected 1, got 2"),
+        (
+            "topk(a)",
+            "wrong number of arguments for aggregate expression provided, expected 2, got 1",
+        ),
+        ("bottomk(a, b)", "expected type scalar in aggregation parameter, got instant vector"),
+        ("topk(1, 2)", "expected type instant vector in aggregation expression, got scalar"),
         ("a[5m] + 1", "binary expression must contain only scalar and instant vector types"),
         ("-a[5m]", "unary expression only allowed on expressions of type scalar or instant"),
         ("1 and a", 'set operator "and" not allowed in binary scalar expression'),

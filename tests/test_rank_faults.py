@@ -191,6 +191,12 @@ def test_a_stop_while_a_peer_takes_a_long_step_is_not_taken_for_stuck(tmp_path: 
     assert "exiting 75" not in (tmp_path / "drill.log").read_text()
 
 
+def deploy_env(token: str) -> dict[str, str]:
+    """deploy/monitor.yml's environment: the webhook's token, and the password of the
+    Alertmanager it posts its own alerts to (none runs here: those posts are retried)."""
+    return {"LOSSGUARD_MONITOR_TOKEN": token, "LOSSGUARD_WEB_PASSWORD": "no-alertmanager-here"}
+
+
 def shipped_monitor(tmp_path: Path, shipped: str, runs: Path) -> tuple[Path, str]:
     """A shipped monitor config with only its paths and port changed for this machine."""
     settings = yaml.safe_load((REPO / shipped).read_text())
@@ -217,7 +223,8 @@ def test_the_monitors_rules_roll_back_a_nan_on_one_rank(tmp_path: Path, corpus_c
         train={"max_steps": 10**6, "log_every": 5, "eval_every": 10**6},
         snapshot={"every": 20},
         faults=[
-            {"kind": "nonfinite_loss", "step": 30, "ranks": [1], "once": True},
+            # NaNs that keep coming on rank 1 (gone on the replay): LossNonFinite at 40 steps
+            {"kind": "nonfinite_loss", "step": 30, "ranks": [1], "duration": 10**6, "once": True},
             {"kind": "slow_step", "step": 25, "duration": 10**7, "seconds": 0.1},
         ],
     )
@@ -242,7 +249,7 @@ def test_the_monitors_rules_roll_back_a_nan_on_one_rank(tmp_path: Path, corpus_c
         rollback = wait_for(
             lambda: [e for e in events(run_dir) if e["event"] == "rollback"], 120, "a rollback"
         )[0]
-        assert rollback["to_step"] == 20 and rollback["from_step"] >= 30
+        assert rollback["to_step"] == 20 and rollback["from_step"] >= 69
         rolled_back(rollback, 2)
         commands = [e for e in events(run_dir) if e["event"] == "command"]
         assert commands[0]["cmd"] == "rollback"  # the monitor's, through the control socket
@@ -272,11 +279,12 @@ def test_the_alertmanager_webhook_rolls_back_a_nan_on_one_rank(tmp_path: Path) -
     plan = {
         "steps": 100,
         "settings": {"train": {"log_every": 5}, "snapshot": {"every": 20}},
-        "faults": [{"kind": "nan", "ranks": [1], "step": 25}],
-        "await_rollback_at": 30,
+        # NaNs on rank 1 from step 25, 40 steps of them for LossNonFinite to fire
+        "faults": [{"kind": "nan", "ranks": [1], "step": 25, "duration": 45}],
+        "await_rollback_at": 70,
     }
     config, url = shipped_monitor(tmp_path, "deploy/monitor.yml", tmp_path)
-    monitor = start_monitor(config, env={"LOSSGUARD_MONITOR_TOKEN": TOKEN})
+    monitor = start_monitor(config, env=deploy_env(TOKEN))
     drill = start_drill(tmp_path, plan)
     try:
         firing = wait_for(lambda: firing_alerts(url, "LossNonFinite"), 120, "LossNonFinite")
@@ -292,7 +300,7 @@ def test_the_alertmanager_webhook_rolls_back_a_nan_on_one_rank(tmp_path: Path) -
         stop_processes(drill, monitor)
     assert_identical(results, 100, 0)
     (rollback,) = [e for e in events(tmp_path / "run") if e["event"] == "rollback"]
-    assert rollback["from_step"] == 30 and rollback["to_step"] == 20
+    assert rollback["from_step"] == 70 and rollback["to_step"] == 20
     rolled_back(rollback, 2)
 
 

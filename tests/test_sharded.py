@@ -359,8 +359,9 @@ def test_rollbacks_from_memory_and_from_disk_replay_the_same_losses_on_every_ran
 def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    """Snapshots every 4 steps: the monitor's rollback restores the snapshot of step 8 on
-    every rank (beside the dcp checkpoint of the same step), and training goes on."""
+    """Snapshots every 4 steps: the monitor's rollback restores the snapshot of step 8, the
+    newest healthy one, on every rank (beside the dcp checkpoint of the same step), and
+    training goes on."""
     runs = tmp_path / "runs"
     run_dir = runs / "tiny"
     config, _ = write_monitor_config(
@@ -374,7 +375,8 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor
     settings["train"].update(max_steps=10**6, log_every=2)
     settings["snapshot"] = {"every": 4}
     settings["faults"] = [
-        {"kind": "nonfinite_loss", "step": 10, "once": True},
+        # 45 NaNs in a row (gone on the replay): LossNonFinite 40 steps into them
+        {"kind": "nonfinite_loss", "step": 10, "duration": 45, "once": True},
         {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.1},
     ]
     agent = torchrun(2, write_config(tmp_path / "c.yaml", settings))
@@ -391,7 +393,7 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor
     finally:
         assert stop_process(monitor) == 0
         stop_process(agent)
-    assert rollback["checkpoint"] == "memory/step_00000008" and rollback["from_step"] >= 10
+    assert rollback["checkpoint"] == "memory/step_00000008" and rollback["from_step"] >= 49
     ranks = rollback["ranks"]
     assert [(r["rank"], r["step"]) for r in ranks] == [(0, 8), (1, 8)]
     assert ranks[0]["weights"] == ranks[1]["weights"]
@@ -401,7 +403,9 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor
     states = {c["name"]: c["in_memory"] for c in json.loads(listed.stdout)["checkpoints"]}
     assert {name.startswith("memory/") for name in states} == {True, False}
     assert all(in_memory == name.startswith("memory/") for name, in_memory in states.items())
-    replayed = [loss for step, loss in step_records(run_dir).items() if step > 8]
+    replayed = [
+        loss for step, loss in step_records(run_dir).items() if 8 < step <= rollback["from_step"]
+    ]
     assert replayed and all(math.isfinite(loss) for loss in replayed)
 
 

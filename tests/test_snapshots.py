@@ -13,10 +13,13 @@ from torch import nn
 from lossguard.agent import Guard
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.config import Config, parse_config
+from lossguard.common.control.protocol import Request
 from lossguard.common.rundir.checkpoints import list_checkpoints
 from lossguard.common.rundir.targets import listing
 
 from .conftest import events
+
+LISTING = Request("t1", "checkpoints", {})
 
 
 def config(**sections: dict[str, Any]) -> Config:
@@ -97,7 +100,7 @@ def test_last_good_is_the_newest_healthy_state_in_memory_or_on_disk(tmp_path: Pa
     guard, model, opt = make_guard(tmp_path, cfg)
     with guard:
         train(guard, model, opt, 12)
-        assert guard.commands._checkpoints({}, print)["last_good"] == "memory/step_00000010"
+        assert guard.commands._checkpoints(LISTING, print)["last_good"] == "memory/step_00000010"
         train(guard, model, opt, 20, nan_at=14)  # later snapshots and checkpoints: unhealthy
         assert guard.checkpoints is not None and guard.recovery.snapshots is not None
         guard.checkpoints.wait()  # step 20's is written in the background: published once done
@@ -107,7 +110,7 @@ def test_last_good_is_the_newest_healthy_state_in_memory_or_on_disk(tmp_path: Pa
             ("memory/step_00000025", False),
             ("memory/step_00000030", False),
         ]
-        listed = guard.commands._checkpoints({}, print)
+        listed = guard.commands._checkpoints(LISTING, print)
         assert listed["last_good"] == "memory/step_00000010"
         assert listed["latest"] == "memory/step_00000030"
         assert [(c["name"], c["in_memory"]) for c in listed["checkpoints"]] == [

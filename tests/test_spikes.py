@@ -33,8 +33,10 @@ COUNTERS = [
     "nonfinite_step",
     "spike_step",
     "spike_value",
+    "level_shifts_total",
+    "level_shift_step",
 ]
-APPROX = ["zscore", "mean", "std", "spike_mean", "spike_std"]
+APPROX = ["zscore", "mean", "std", "spike_mean", "spike_std", "shift_trend", "shift_level"]
 assert {*COUNTERS, *APPROX, "value"} == set(STAT_FIELDS)
 
 
@@ -66,8 +68,11 @@ class Reference:
         self.step = 0
         self.nonfinite_step = -1
         self.spike_at = (-1.0, -INF, -INF, -INF)  # step, value, mean, std
+        self.episode: list[float] = []  # the current episode's values
+        self.opened_by_spike = False
         self.last = dict.fromkeys(STAT_FIELDS, 0.0)
         self.last.update(nonfinite_step=-1.0, mean=-INF, std=-INF)
+        self.last.update(shift_trend=-INF, shift_level=-INF, level_shift_step=-1.0)
         spike_fields = ("spike_step", "spike_value", "spike_mean", "spike_std")
         self.last.update(zip(spike_fields, self.spike_at, strict=True))
 
@@ -97,12 +102,14 @@ class Reference:
         else:
             if not self.active:
                 self.active, self.duration = True, 0
+                self.episode, self.opened_by_spike = [], spike
                 self.spikes_total += spike  # a non-finite value opens an episode, uncounted
                 if spike:
                     self.spike_at = (float(self.step), x, mean, std)
             self.in_band_run = 0
         if self.active:
             self.duration += 1
+            self.episode.append(x)
             if self.in_band_run >= cfg.recover_steps:
                 self.active, self.duration = False, 0
         self.nonfinite_total += not finite
@@ -124,8 +131,27 @@ class Reference:
             "spike_value": self.spike_at[1],
             "spike_mean": self.spike_at[2],
             "spike_std": self.spike_at[3],
+            **self.shift_fit(),
+            "level_shifts_total": 0.0,
+            "level_shift_step": -1.0,
         }
         return not finite
+
+    def shift_fit(self) -> dict[str, float]:
+        """The least-squares line through the episode's values, against the jump."""
+        if not self.active:
+            return {"shift_trend": -INF, "shift_level": -INF}
+        values, n = self.episode, float(len(self.episode))
+        if not (self.opened_by_spike and all(map(math.isfinite, values)) and n >= 2):
+            return {"shift_trend": INF, "shift_level": -INF}
+        total = sum(values)
+        weighted = sum(t * v for t, v in enumerate(values, start=1))
+        mean = total / n
+        slope = (weighted - (n + 1) / 2 * total) / (n * (n * n - 1) / 12)
+        jump = mean - self.spike_at[2]
+        if not jump > 0:
+            return {"shift_trend": INF, "shift_level": -INF}
+        return {"shift_trend": slope * (n - 1) / jump, "shift_level": mean + slope * (n - 1) / 2}
 
 
 def feed(detector: SpikeDetector, values: Sequence[float]) -> list[dict[str, float]]:
@@ -348,8 +374,9 @@ def test_update_never_syncs_with_the_host(mode: str, monkeypatch: pytest.MonkeyP
     assert calls == []
     assert not {op.__name__.split(".")[0] for op in log.ops} & SYNCING_OPS  # C++ .item() too
     kernels = [op for op in log.ops if not op.is_view]
-    # small: this runs every training step (about 33, and 4 for the step bookkeeping)
-    assert len(kernels) / len(values) <= 40
+    # small: this runs every training step (about 33, 4 for the step bookkeeping and 1 for
+    # the level-shift sums)
+    assert len(kernels) / len(values) <= 41
     assert (
         detector.stats_dict()["spikes_total"] > 0 and detector.stats_dict()["nonfinite_total"] > 0
     )
@@ -391,8 +418,9 @@ def test_stats_before_any_update_and_input_kinds() -> None:
     detector = SpikeDetector(small(), CPU)
     stats = detector.stats()
     assert stats.dtype == torch.float64 and stats.shape == (len(STAT_FIELDS),)
-    unknown = {"nonfinite_step": -1.0, "spike_step": -1.0}
+    unknown = {"nonfinite_step": -1.0, "spike_step": -1.0, "level_shift_step": -1.0}
     unknown.update(dict.fromkeys(("mean", "std", "spike_value", "spike_mean", "spike_std"), -INF))
+    unknown.update(shift_trend=-INF, shift_level=-INF)
     assert detector.stats_dict() == {f: unknown.get(f, 0.0) for f in STAT_FIELDS}
     loss = (torch.ones(3, requires_grad=True) * 2).mean()
     detector.update(loss)  # float32, requires grad

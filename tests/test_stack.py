@@ -4,8 +4,9 @@ Prometheus with ``deploy/prometheus.yml`` laid out as in the container, Alertman
 ``triggers: [alertmanager]``, the token from the environment) and three tiny training runs:
 
 * ``sup`` under ``lossguard-supervise``; its training process is SIGKILLed once (the supervisor
-  restarts it from a checkpoint) and later sees a NaN loss, which Prometheus's LossNonFinite
-  sends through Alertmanager to the monitor's webhook, and the monitor rolls it back;
+  restarts it from a checkpoint) and later sees NaN losses that keep coming, which Prometheus's
+  LossNonFinite sends through Alertmanager to the monitor's webhook, and the monitor rolls it
+  back;
 * ``fp16`` (GradScaler on CPU) with a learning-rate divergence, so the spike detectors fire;
   its agent runs as if on a GPU that NVML knows (tests/fake_gpu_agent.py), so it exports NVML's
   series and ``lossguard_gpu_info``, which joins it with a stand-in DCGM exporter's series for
@@ -44,7 +45,7 @@ import pytest
 import requests
 import yaml
 
-from .amserver import alertmanager
+from .amserver import AlertmanagerServer, alertmanager
 from .conftest import (
     REPO,
     events,
@@ -95,6 +96,7 @@ DCGM_JOIN = (
 @dataclass
 class Stack:
     prom: PromServer
+    am: AlertmanagerServer
     monitor_url: str
     runs: Path
     started: float
@@ -121,19 +123,22 @@ def prometheus_config(monitor: str, alertmanager_url: str, dcgm: str, password_f
     return text
 
 
-def monitor_config(layout: Path, runs: Path, state: Path) -> tuple[Path, str]:
-    """deploy/monitor.yml with the test's paths and port (rules: the same relative path)."""
+def monitor_config(layout: Path, runs: Path, state: Path, port: int, alertmanager_url: str) -> Path:
+    """deploy/monitor.yml with the test's paths, port and Alertmanager (where it posts its own
+    alerts; rules: the same relative path)."""
     config = yaml.safe_load((REPO / "deploy" / "monitor.yml").read_text())
     assert config["actions"]["triggers"] == ["alertmanager"]
     assert config["listen"]["token_env"] == TOKEN_ENV
     config["scrape"]["runs_root"] = str(runs)
     config["scrape"]["file_sd_path"] = str(layout / "targets" / "lossguard.json")
     config["state"]["path"] = str(state)
-    port = free_port()
     config["listen"].update(host="127.0.0.1", port=port)
+    (hook,) = [r for r in config["notifications"]["receivers"] if r["name"] == "alertmanager"]
+    assert hook["alertmanager_configs"][0]["url"] == "http://alertmanager:9093"
+    hook["alertmanager_configs"][0]["url"] = alertmanager_url
     path = layout / "deploy" / "monitor.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path, f"http://127.0.0.1:{port}"
+    return path
 
 
 def alertmanager_config(monitor_url: str, secrets: Path) -> dict[str, Any]:
@@ -232,11 +237,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
                 "grad_diagnostics": {"enabled": True, "every": 5},
             },
             checkpoint={"every": 30, "keep_last": 10, "async_save": False},
-            # slower from just before the NaN (the last slow_step wins): its alert must reach
-            # the monitor before the next healthy checkpoint (step 90) ends it
+            # NaNs that keep coming from NAN_STEP (gone on the replay after the rollback):
+            # LossNonFinite fires 40 steps into them; slower from just before them (the last
+            # slow_step wins), so that the monitor's scrape keeps up
             faults=[
-                {"kind": "nonfinite_loss", "step": NAN_STEP, "once": True},
-                {"kind": "slow_step", "step": NAN_STEP - 2, "duration": 10**8, "seconds": 0.7},
+                {"kind": "nonfinite_loss", "step": NAN_STEP, "duration": 10**6, "once": True},
+                {"kind": "slow_step", "step": NAN_STEP - 2, "duration": 10**8, "seconds": 0.2},
             ],
         ),
         "fp16": agent_settings(
@@ -283,12 +289,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
     dcgm = ExpositionServer(dcgm_exposition(socket.gethostname(), [IDENTITY["UUID"], OTHER_GPU]))
 
     (tmp / "state").mkdir()
-    config, monitor_url = monitor_config(layout, runs, tmp / "state" / "state.db")
-    monitor = start_monitor(config, env={TOKEN_ENV: TOKEN})
+    port = free_port()
+    monitor_url = f"http://127.0.0.1:{port}"
+    monitors = []
     try:
         with alertmanager(
             tmp / "alertmanager", alertmanager_config(monitor_url, tmp / "secrets"), AUTH
         ) as am:
+            config = monitor_config(layout, runs, tmp / "state" / "state.db", port, am.url)
+            env = {TOKEN_ENV: TOKEN, "LOSSGUARD_WEB_PASSWORD": AUTH.password}
+            monitors.append(start_monitor(config, env=env))
             password = AUTH.password_file(tmp / "secrets" / "web-password")
             (layout / "deploy" / "prometheus.yml").write_text(
                 prometheus_config(monitor_url, am.url, dcgm.instance, password)
@@ -334,10 +344,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
                     "DCGM's series joined with fp16's GPU",
                     interval=0.5,
                 )
-                yield Stack(prom, monitor_url, runs, started)
+                yield Stack(prom, am, monitor_url, runs, started)
     finally:
         dcgm.close()
-        stop_processes(monitor, *agents, supervisor, timeout=60)
+        stop_processes(*monitors, *agents, supervisor, timeout=60)
 
 
 # ---------------------------------------------------------------------------- the queries
@@ -475,6 +485,15 @@ def test_the_alertmanager_webhook_rolled_the_run_back(stack: Stack) -> None:
     # the rollback went through the run's control socket with the monitor's request id
     commands = [e for e in events(stack.runs / "sup") if e.get("event") == "command"]
     assert [(c["cmd"], c["id"]) for c in commands] == [("rollback", action["id"])]
+    # and announced: the monitor posted ActionTaken to Alertmanager, which routes it to Slack
+    announced = wait_for(
+        lambda: [a for a in stack.am.alerts() if a["labels"]["alertname"] == "ActionTaken"],
+        30,
+        "the announcement in Alertmanager",
+        interval=0.2,
+    )
+    assert [a["labels"]["action_id"] for a in announced] == [action["id"]]
+    assert [r["name"] for r in announced[0]["receivers"]] == ["slack-announcements"]
 
 
 def test_dcgm_s_series_join_the_run_on_its_gpu(stack: Stack) -> None:

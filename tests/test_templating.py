@@ -12,12 +12,23 @@ import math
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossguard.monitor.rules.templating import TemplateError, check_template, expand
+from lossguard.monitor.promql import MemoryStorage, evaluate, expand_values, parse_series
+from lossguard.monitor.rules.ruleset import template_query
+from lossguard.monitor.rules.ruletest import run_test_files
+from lossguard.monitor.rules.templating import (
+    QueryText,
+    TemplateError,
+    check_template,
+    expand,
+    template_queries,
+)
+from tests.promserver import promtool_test_rules
 
 EXTERNAL_LABELS = {"cluster": "lab", "zone": "eu-1"}
 EXTERNAL_URL = "http://monitor.example:9090/prefix"
@@ -193,7 +204,7 @@ def test_expansion_errors_are_rendered_not_raised(text: str, expected: str) -> N
     ("text", "expected"),
     [
         ("{{ $value ", "1:1: unclosed action"),
-        ('{{ query "up" }}', '1:4: function "query" is not supported by the monitor'),
+        ('{{ graphLink "up" }}', '1:4: function "graphLink" is not supported by the monitor'),
         ("x\n {{ template `t` }}", '2:5: function "template" is not supported by the monitor'),
         ("{{ tableLink `up` }}", '1:4: function "tableLink" is not supported by the monitor'),
         ("{{ frobnicate 1 }}", '1:4: function "frobnicate" not defined'),
@@ -221,10 +232,10 @@ def test_check_template_errors(text: str, expected: str) -> None:
 
 
 def test_unsupported_function_fails_expansion_too() -> None:
-    result = expand('{{ query "up" }}', labels={}, value=0.0)
+    result = expand('{{ tableLink "up" }}', labels={}, value=0.0)
     assert (
         result
-        == '<error expanding template: 1:4: function "query" is not supported by the monitor>'
+        == '<error expanding template: 1:4: function "tableLink" is not supported by the monitor>'
     )
 
 
@@ -240,3 +251,149 @@ def test_printf_of_the_whole_data_prints_it_as_the_dot_does() -> None:
     printed = expand('{{ printf "%v" . }}', labels=labels, value=2.0)
     assert printed == expand("{{ . }}", labels=labels, value=2.0) == "{map[run_id:r1] map[]  2}"
     assert expand('{{ printf "%d" . }}', labels=labels, value=2.0).startswith("%!d(")
+
+
+# query and the functions that read its samples ------------------------------------------------
+
+QUERY_SERIES = {
+    'mfu{run_id="r1", rank="0", node="n0"}': "0.41 0.4",
+    'mfu{run_id="r1", rank="1", node="n0"}': "0.05 0.03",
+    'mfu{run_id="r1", rank="2", node="n1"}': "0.5 0.38",
+    'mfu{run_id="r1", rank="3", node="n1"}': "0.07 0.08",
+    'mfu{run_id="r2", rank="0", node="n2"}': "0.45 0.5",
+}
+QUERY_TEMPLATES = {
+    "range_topk": '{{ range query "topk(3, mfu)" }}{{ .Labels.rank }}={{ .Value }} {{ end }}',
+    "first_value": '{{ with query "bottomk(1, mfu)" }}{{ (first .).Labels.rank }} '
+    "{{ . | first | value | humanizePercentage }}{{ end }}",
+    "sorted": '{{ range $i, $s := sortByLabel "rank" (query "mfu{run_id=\\"r1\\"} < 0.1") }}'
+    '{{ if $i }}, {{ end }}{{ label "rank" $s }}@{{ $s.Labels.node }}/{{ $s.Labels.__name__ }}'
+    "{{ end }}",
+    "len_index": '{{ len (query "mfu") }} {{ (index (query "topk(1, mfu)") 0).Value }}',
+    "empty": '{{ with query "mfu > 1" }}some{{ else }}none{{ end }}'
+    '{{ range query "mfu > 1" }}x{{ else }} empty{{ end }}',
+    "scalar": '{{ query "scalar(mfu{run_id=\\"r2\\"})" | first | value }}'
+    '|{{ len (query "scalar(mfu{run_id=\\"r2\\"})" | first).Labels }}',
+    "printf": '{{ range query (printf "bottomk(2, mfu{run_id=%q})" $labels.run_id) }}'
+    "{{ .Labels.rank }} {{ end }}"
+    '{{ query (printf "count(mfu{run_id=%q} < %g)" $labels.run_id 0.1) | first | value }}',
+    "strvalue": '[{{ strvalue (query "topk(1, mfu)" | first) }}]',
+}
+QUERY_AT = {"0m": 0.0, "1m": 60.0}  # eval_time -> seconds
+
+
+def _query_storage() -> MemoryStorage:
+    storage = MemoryStorage()
+    for series, values in QUERY_SERIES.items():
+        labels, _ = parse_series("mfu" + series[3:])
+        for step, value in enumerate(expand_values(values)):
+            assert value is not None
+            storage.add(labels, step * 60, value)
+    return storage
+
+
+def test_query_functions_match_promtool(tmp_path: Path) -> None:
+    """``query``, ``first``, ``label``, ``value``, ``strvalue``, ``sortByLabel`` and ranges over
+    samples: the monitor's expansion is the expected annotation of promtool's own test, and
+    the monitor's rule-test runner agrees. (Only ordered results are ranged over: promtool
+    loads series in random order.)"""
+    storage = _query_storage()
+    rules = [
+        {
+            "alert": f"Query{when}",
+            "expr": 'mfu{run_id="r1", rank="0"}',
+            "annotations": QUERY_TEMPLATES,
+        }
+        for when in QUERY_AT
+    ]
+    tests: list[dict[str, Any]] = []
+    for when, t in QUERY_AT.items():
+        run = template_query(lambda expr, at: evaluate(expr, storage, at), t)
+        value = evaluate('mfu{run_id="r1", rank="0"}', storage, t)
+        assert isinstance(value, list)
+        labels = {"run_id": "r1", "rank": "0", "node": "n0"}
+        expected = {
+            name: expand(text, labels=labels, value=value[0].value, query=run)
+            for name, text in QUERY_TEMPLATES.items()
+        }
+        assert not [text for text in expected.values() if "<error" in text], expected
+        tests.append(
+            {
+                "alertname": f"Query{when}",
+                "eval_time": when,
+                "exp_alerts": [{"exp_labels": labels, "exp_annotations": expected}],
+            }
+        )
+    assert tests[0]["exp_alerts"][0]["exp_annotations"]["sorted"] == "1@n0/mfu, 3@n1/mfu"
+    (tmp_path / "rules.yml").write_text(json.dumps({"groups": [{"name": "q", "rules": rules}]}))
+    unit = {
+        "interval": "1m",
+        "input_series": [{"series": k, "values": v} for k, v in QUERY_SERIES.items()],
+        "alert_rule_test": tests,
+    }
+    test_file = tmp_path / "tests.yml"
+    test_file.write_text(json.dumps({"rule_files": ["rules.yml"], "tests": [unit]}))
+    result = promtool_test_rules(test_file)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert run_test_files([str(test_file)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{{ query 5 }}", "wrong type for value; expected string; got int"),
+        ('{{ first "x" }}', "expected template.queryResult; got string"),
+        ('{{ first (query "mfu > 1") }}', "first() called on vector with no elements"),
+        ('{{ label "rank" "x" }}', "expected *template.sample; got string"),
+        ("{{ value nil }}", "nil pointer dereference"),
+        ('{{ (query "mfu").Labels }}', "can't evaluate field Labels in type template.queryResult"),
+        ('{{ index (query "mfu") 9 }}', "index out of range: 9"),
+        ('{{ query "rate(mfu)" }}', "error calling query: 1:6: expected type range vector"),
+        ('{{ (first (query "mfu")).Nope }}', "can't evaluate field Nope in type *template.sample"),
+    ],
+)
+def test_query_errors_are_rendered(text: str, expected: str) -> None:
+    run = template_query(lambda expr, at: evaluate(expr, _query_storage(), at), 0.0)
+    result = expand(text, labels={}, value=0.0, query=run)
+    assert result.startswith("<error expanding template: ") and expected in result, result
+    without = expand('{{ query "mfu" }}', labels={}, value=0.0)
+    assert "no query engine" in without
+
+
+def test_a_sample_prints_as_go_prints_a_pointer_to_it() -> None:
+    run = template_query(lambda expr, at: evaluate(expr, _query_storage(), at), 0.0)
+    printed = expand('{{ query "topk(1, mfu)" | first }}', labels={}, value=0.0, query=run)
+    assert printed == "&{map[__name__:mfu node:n1 rank:2 run_id:r1] 0.5}"
+
+
+@pytest.mark.parametrize(
+    ("text", "queries"),
+    [
+        ('{{ query "up" }}', [QueryText("up", True)]),
+        (
+            '{{ range query (printf "topk(3, x{run_id=%q} < %g)" $labels.run_id 0.1) }}{{ end }}',
+            [QueryText('topk(3, x{run_id="_"} < 0)', False)],
+        ),
+        ('{{ printf "count(y{a=%q})" "b" | query | len }}', [QueryText('count(y{a="_"})', False)]),
+        (
+            '{{ if true }}{{ with query "a" }}{{ query "b" }}{{ end }}{{ end }}',
+            [QueryText("a", True), QueryText("b", True)],
+        ),
+        ('{{ query (printf "%s_total" "x") }}', [QueryText("x_total", False)]),
+        ('{{ query (printf "%s_total" $labels.job) }}', [None]),  # %s: can be part of a name
+        ('{{ query (printf "gpu%d" 1) }}', [None]),
+        (
+            '{{ $q := printf "up{a=%q}" "b" }}{{ query $q }}'
+            '{{ query (printf "count(%s > %d)" $q 1) }}',
+            [QueryText('up{a="_"}', False), QueryText('count(up{a="_"} > 0)', False)],
+        ),
+        ('{{ $q := "up" }}{{ query $q }}', [QueryText("up", True)]),
+        ("{{ $q := $labels.expr }}{{ query $q }}", [None]),
+        ("{{ humanize 1 }}", []),
+    ],
+)
+def test_template_queries_known_before_they_run(text: str, queries: list[QueryText | None]) -> None:
+    found = template_queries(text)
+    assert [(q.text, q.exact) if q else None for q in found] == [
+        (q.text, q.exact) if q else None for q in queries
+    ]

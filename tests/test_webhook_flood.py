@@ -18,7 +18,7 @@ from lossguard.monitor.actions.corroborate import AwaitingConfirmation
 from lossguard.monitor.actions.model import ActionAlert
 from lossguard.monitor.actions.refusals import RECORDED_PER_WINDOW, RefusalBudget
 from tests.conftest import start_monitor, stop_process, wait_for
-from tests.test_rank_faults import shipped_monitor
+from tests.test_rank_faults import deploy_env, shipped_monitor
 
 TOKEN = "webhook-flood-test-token"
 
@@ -48,7 +48,7 @@ def refused_rows(db: Path) -> int:
 def test_a_flood_of_forged_alerts_leaves_a_bounded_trail(tmp_path: Path) -> None:
     config, url = shipped_monitor(tmp_path, "deploy/monitor.yml", tmp_path / "runs")
     (tmp_path / "runs").mkdir()
-    monitor = start_monitor(config, env={"LOSSGUARD_MONITOR_TOKEN": TOKEN})
+    monitor = start_monitor(config, env=deploy_env(TOKEN))
     try:
         wait_for(lambda: reachable(url), 60, "the monitor")
         for post in range(3):

@@ -58,6 +58,9 @@ class Controllable(Protocol):
     ) -> dict[str, Any]: ...
     def set_paused(self, paused: bool) -> None: ...
     def set_lr_scale(self, scale: float) -> None: ...
+    def expect_change(
+        self, reason: str = ..., *, request_id: str | None = ...
+    ) -> dict[str, Any]: ...
     def event(self, kind: str, /, **fields: Any) -> None: ...
 
 
@@ -143,7 +146,7 @@ class CommandRunner:
 
         handler = getattr(self, f"_{request.cmd}")
         try:
-            result = handler(request.args, reply)
+            result = handler(request, reply)
         except CommandFailed as exc:
             reply(exc)
             return
@@ -156,19 +159,19 @@ class CommandRunner:
 
     # Each handler returns the result, or None when it replies later through ``reply``.
 
-    def _status(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    def _status(self, request: Request, reply: Reply) -> dict[str, Any]:
         store = self.store
         checkpoint: dict[str, Any] = checkpoint_summary(store, self.snapshots) if store else {}
         checkpoint["in_progress"] = bool(store and store.in_progress)
         return {**self.target.status(), "checkpoint": checkpoint}
 
-    def _checkpoints(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    def _checkpoints(self, request: Request, reply: Reply) -> dict[str, Any]:
         store = self.store
         if store is None:
             return {}
         return listing(store.list(), self.snapshots.list() if self.snapshots else [])
 
-    def _save(self, args: dict[str, Any], reply: Reply) -> None:
+    def _save(self, request: Request, reply: Reply) -> None:
         started = time.perf_counter()
 
         def done(result: CheckpointMeta | BaseException) -> None:
@@ -187,7 +190,8 @@ class CommandRunner:
 
         self.target.save("command", on_done=done)
 
-    def _rollback(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    def _rollback(self, request: Request, reply: Reply) -> dict[str, Any]:
+        args = request.args
         try:
             return self.target.rollback(
                 args["target"], skip_batches=args["skip_batches"], lr_scale=args["lr_scale"]
@@ -202,19 +206,22 @@ class CommandRunner:
             )
             raise CommandFailed(code, str(exc)) from None
 
-    def _pause(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    def _pause(self, request: Request, reply: Reply) -> dict[str, Any]:
         self.target.set_paused(True)
         return {"step": self.target.step, "paused": True}
 
-    def _resume(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    def _resume(self, request: Request, reply: Reply) -> dict[str, Any]:
         self.target.set_paused(False)
         return {"step": self.target.step, "paused": False}
 
-    def _set_lr_scale(self, args: dict[str, Any], reply: Reply) -> dict[str, Any]:
-        self.target.set_lr_scale(float(args["scale"]))
+    def _set_lr_scale(self, request: Request, reply: Reply) -> dict[str, Any]:
+        self.target.set_lr_scale(float(request.args["scale"]))
         return {"lr_scale": self.target.lr_scale, "lr": self.target.learning_rate()}
 
-    def _stop(self, args: dict[str, Any], reply: Reply) -> None:
+    def _expect_change(self, request: Request, reply: Reply) -> dict[str, Any]:
+        return self.target.expect_change(request.args["reason"], request_id=request.id)
+
+    def _stop(self, request: Request, reply: Reply) -> None:
         self.stop(reason="stop", reply=reply)
 
     def stop(self, *, reason: str, reply: Reply | None = None) -> None:

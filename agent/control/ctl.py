@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stop", help="save, then end training cleanly")
     set_lr_scale = sub.add_parser("set-lr-scale", help="multiply the scheduled lr by SCALE")
     set_lr_scale.add_argument("scale", type=float, metavar="SCALE")
+    expect_change = sub.add_parser(
+        "expect-change",
+        help="the loss is to change level (e.g. a planned data-mix change): the spike "
+        "detectors start again from the current level",
+    )
+    expect_change.add_argument(
+        "--reason", metavar="TEXT", help="why, for the audit trail (at most 200 characters)"
+    )
     return parser
 
 
@@ -271,6 +279,13 @@ def _format_set_lr_scale(result: dict[str, Any]) -> str:
     return text if result["lr"] is None else f"{text} (lr {_lr(result['lr'])})"
 
 
+def _format_expect_change(result: dict[str, Any]) -> str:
+    return (
+        f"change expected at step {result['step']}: the spike detectors start again from the "
+        "current level"
+    )
+
+
 def _format_stop(result: dict[str, Any]) -> str:
     saved = result["checkpoint"]
     return f"stopping at step {result['step']}; " + (
@@ -286,6 +301,7 @@ _FORMATTERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "pause": _format_pause_resume,
     "resume": _format_pause_resume,
     "set_lr_scale": _format_set_lr_scale,
+    "expect_change": _format_expect_change,
     "stop": _format_stop,
 }
 

@@ -29,7 +29,12 @@ from lossguard.agent.telemetry.grad_diagnostics import GradDiagnostics
 from lossguard.agent.telemetry.hardware import Nvml, Peak, memory_stats, resolve_peak
 from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeBank
 from lossguard.common import __version__
-from lossguard.common.catalogue import MEMORY_KINDS, OPTIMIZER_COUNTERS, SIGNALS
+from lossguard.common.catalogue import (
+    LEVEL_SHIFT_SIGNALS,
+    MEMORY_KINDS,
+    OPTIMIZER_COUNTERS,
+    SIGNALS,
+)
 from lossguard.common.config import ConfigError
 from lossguard.common.registry import AgentMetrics
 from lossguard.common.rundir.checkpoints import CheckpointMeta
@@ -203,13 +208,17 @@ class Telemetry:
         """The detectors' device statistics, for the log interval's one sync (MAX over ranks)."""
         return torch.cat([self.detectors[s].stats() for s in SIGNALS])
 
+    def rebase(self) -> None:
+        """Every detector takes the current level as its baseline (an expected change)."""
+        for detector in self.detectors.values():
+            detector.rebase()
+
     def publish(
-        self, record: dict[str, Any], stats: list[float], tokens_local: float, elapsed: float
-    ) -> SignalStats:
-        """Export one log interval and add the telemetry fields to its metrics record. Returns
-        each signal's detector statistics by name (for the audit trail and diagnoses)."""
+        self, record: dict[str, Any], by_signal: SignalStats, tokens_local: float, elapsed: float
+    ) -> None:
+        """Export one log interval and add the telemetry fields to its metrics record;
+        ``by_signal``: each signal's detector statistics by name, reduced over ranks."""
         metrics = self.metrics
-        by_signal = signal_stats(stats)
         for signal, values in by_signal.items():
             metrics.set(f"{signal}_zscore", values["zscore"])
             metrics.set("nonfinite_step", values["nonfinite_step"], signal=signal)
@@ -222,6 +231,11 @@ class Telemetry:
             record[f"{signal}_spikes_total"] = int(values["spikes_total"])
             record[f"{signal}_nonfinite_total"] = int(values["nonfinite_total"])
             record[f"{signal}_nonfinite_step"] = int(values["nonfinite_step"])
+        for signal in LEVEL_SHIFT_SIGNALS:
+            values = by_signal[signal]
+            self._export_total("level_shifts", values["level_shifts_total"], signal=signal)
+            metrics.set("level_shift_step", values["level_shift_step"], signal=signal)
+            record[f"{signal}_level_shifts_total"] = int(values["level_shifts_total"])
         tokens_per_second = tokens_local / elapsed if elapsed > 0 else 0.0
         metrics.inc("tokens", tokens_local)
         metrics.set("tokens_per_second", tokens_per_second)
@@ -245,7 +259,6 @@ class Telemetry:
         if record.get("loss_scale") is not None:
             metrics.set("amp_loss_scale", record["loss_scale"])
         self._publish_memory(record)
-        return by_signal
 
     def count_optimizer(self) -> None:
         """The optimizer keeps its own counters (SPAM): their series start at 0."""
@@ -258,10 +271,11 @@ class Telemetry:
 
     def resync_totals(self, step: int) -> SignalStats:
         """After a restore to ``step``: the detectors count steps from there and their totals
-        jump back, so counters count on from them; the last non-finite step is the restored
-        one at once (an alert on it resolves). One read of the statistics reduced over ranks,
-        as every log interval reads them (the worst rank's): every rank's audit then compares
-        the same totals and enters the same collectives. Returns them by signal."""
+        jump back, so counters count on from them; the last non-finite and level-shift steps
+        are the restored ones at once (an alert on the first resolves). One read of the
+        statistics reduced over ranks, as every log interval reads them (the worst rank's):
+        every rank's audit then compares the same totals and enters the same collectives.
+        Returns them by signal."""
         for detector in self.detectors.values():
             detector.set_step(step)
         restored = all_reduce_max_tensor(
@@ -274,6 +288,11 @@ class Telemetry:
                 "nonfinite_total"
             ]
             self.metrics.set("nonfinite_step", values["nonfinite_step"], signal=signal)
+        for signal in LEVEL_SHIFT_SIGNALS:
+            values = by_signal[signal]
+            key = _total_key("level_shifts", signal=signal)
+            self._exported_totals[key] = values["level_shifts_total"]
+            self.metrics.set("level_shift_step", values["level_shift_step"], signal=signal)
         return by_signal
 
     def _export_total(self, name: str, total: float, **labels: str) -> None:
@@ -367,6 +386,8 @@ class Telemetry:
         self.metrics.set("checkpoint_in_progress", 0)
         for signal in SIGNALS:
             self.metrics.set("nonfinite_step", -1, signal=signal)
+        for signal in LEVEL_SHIFT_SIGNALS:
+            self.metrics.set("level_shift_step", -1, signal=signal)
         if self.peak is not None:
             self.metrics.set("peak_flops", self.peak.flops, source=self.peak.source)
 

@@ -1,9 +1,11 @@
 """The end of a log interval, on the host: the one read of what the Guard added up on the device,
-the ``train`` record, and the audit of the spike episodes and non-finite values found since the
-last read, each with its diagnosis."""
+the ``train`` record, the audit of the spike episodes and non-finite values found since the
+last read, each with its diagnosis, and of the level shifts taken as the detectors' new
+baseline."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -18,9 +20,12 @@ from lossguard.agent.telemetry.batch_tokens import BatchTokens
 from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_stats
 from lossguard.agent.telemetry.diagnosis import IntervalContext, PrecisionHistory, diagnose
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
+from lossguard.agent.telemetry.level_shift import LevelShift, accept_level_shift
 from lossguard.agent.telemetry.lr_watch import LrWatch
 from lossguard.common.catalogue import OPTIMIZER_COUNTERS
-from lossguard.common.rundir.events import NONFINITE
+from lossguard.common.rundir.events import EXPECTED_CHANGE, LEVEL_SHIFT, NONFINITE
+
+log = logging.getLogger("lossguard.agent")
 
 
 class IntervalLog:
@@ -43,6 +48,7 @@ class IntervalLog:
         lr_watch: LrWatch | None = None,
         tokens: BatchTokens | None = None,
         group: ProcessGroup | None = None,
+        rank: int = 0,
     ) -> None:
         self.interval = interval
         self.telemetry = telemetry
@@ -59,6 +65,7 @@ class IntervalLog:
         self.lr_watch = lr_watch  # each step's lr against the schedule
         self.tokens = tokens  # each step's token statistics, read at detections only
         self.group = group  # the control group: every rank's token statistics are gathered
+        self.rank = rank  # rank 0 logs what it audits
         self.start: tuple[int, int | None] = (0, None)  # (step, data position)
         self.logged_healthy: bool | None = True  # as of the last interval (None: unknown)
         # an optimizer's own counters (SPAM: momentum resets, clipped entries), on the device
@@ -107,10 +114,12 @@ class IntervalLog:
             record[name] = int(total)  # this rank's, since the process started
         active = False
         if self.telemetry is not None:
-            by_signal = self.telemetry.publish(
-                record, totals.stats, float(totals.local_tokens), elapsed
-            )
+            by_signal = signal_stats(totals.stats)
+            shift = accept_level_shift(self.telemetry.detectors, by_signal, step)
+            self.telemetry.publish(record, by_signal, float(totals.local_tokens), elapsed)
             self.audit(by_signal, totals, step)
+            if shift is not None:
+                self._level_shift(shift, step)
             active = any(s["active"] for s in by_signal.values())
             if self.telemetry.fp8_overflow is not None:
                 self.precision.fp8_seen(self.telemetry.fp8_overflow[1])
@@ -139,6 +148,47 @@ class IntervalLog:
             candidates.append((rank, diagnosis))
         if candidates:
             self.episode = max(candidates, key=lambda item: item[0])[1]
+
+    def _level_shift(self, shift: LevelShift, step: int) -> None:
+        """Audit and log a level shift, declared at ``step``."""
+        self.event(
+            LEVEL_SHIFT,
+            signal=shift.signal,
+            began=shift.began,
+            mean_before=shift.mean_before,
+            level=shift.level,
+            trend=shift.trend,
+        )
+        if self.rank == 0:
+            log.info(
+                "%s level shift: from %.4g to %.4g since step %d, flat or falling for %d steps "
+                "(rise %.2f of the jump); taken as the new level, the episode ended",
+                shift.signal,
+                shift.mean_before,
+                shift.level,
+                shift.began,
+                step - shift.began + 1,
+                shift.trend,
+            )
+
+    def expect_change(self, step: int, reason: str, request_id: str | None) -> dict[str, Any]:
+        """An operator's word that the level changes from ``step`` on (``request_id``: the
+        control command's; None: the training loop's own call): the detectors take the current
+        level as their baseline, audited and logged. Returns the reply's result."""
+        if self.telemetry is not None:
+            self.telemetry.rebase()
+        self.logged_healthy = None  # the episode the last interval saw has ended: judge anew
+        by = {"by": "api"} if request_id is None else {"by": "control", "id": request_id}
+        self.event(EXPECTED_CHANGE, reason=reason, **by)
+        if self.rank == 0:
+            log.info(
+                "expected change at step %d (%s%s): the spike detectors start again from the "
+                "current level",
+                step,
+                by["by"],
+                f", {reason!r}" if reason else "",
+            )
+        return {"step": step}
 
     def _context(self, totals: IntervalTotals, step: int) -> IntervalContext:
         """What a diagnosis needs beside the detector statistics (at detections only: the

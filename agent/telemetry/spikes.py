@@ -31,6 +31,21 @@ Semantics (the choices the metric catalogue's spike series rest on):
 * ``mean`` and ``std`` are the window's statistics before the last value. Statistics that do not
   exist yet (before ``min_history`` values, before the first spike) read ``-inf``, so that a
   maximum over ranks picks a rank that has them.
+* Level shifts (the caller judges them, ``level_shift.py``): from the spike that opens an
+  episode on, each step adds its value and its position in the episode times its value to two
+  sums, so that ``stats`` can fit a least-squares line through the episode's values.
+  ``shift_trend`` is the line's rise over the episode (slope x (duration - 1)) divided by the
+  jump (the episode's mean less the window mean before the spike): about 0 for a loss that
+  stepped up and stays flat, negative for one that falls back, positive for one that keeps
+  climbing (0.67 for one that climbs as far again as it jumped). It is judged only for an episode
+  opened by a spike at its first step and with every value since finite, at least 2 steps long
+  and with a positive jump; ``+inf`` for any other active episode and ``-inf`` outside one (so
+  that a maximum over ranks is the least flat rank). ``shift_level`` is the line's value at
+  the last step (``-inf`` when not judged; a state saved before the sums existed has none: its
+  episode is not judged). ``rebase`` empties the window and ends the episode: detection
+  starts again once ``min_history`` values of the new level are in; ``level_shifts_total``
+  and ``level_shift_step`` (the first step of the last shifted episode, -1 when none) count
+  the rebases that accepted a level shift.
 """
 
 from __future__ import annotations
@@ -57,6 +72,10 @@ STAT_FIELDS = (
     "spike_value",
     "spike_mean",
     "spike_std",
+    "shift_trend",
+    "shift_level",
+    "level_shifts_total",
+    "level_shift_step",
 )
 
 _F64 = torch.float64
@@ -75,9 +94,11 @@ _STATE_KEYS = (
     "step",
     "nonfinite_step",
     "spike_at",
+    "level_sums",
+    "level_shift",
 )
 # Added after the first release: a state without them still loads (with their initial values).
-_NEWER_KEYS = ("step", "nonfinite_step", "spike_at")
+_NEWER_KEYS = ("step", "nonfinite_step", "spike_at", "level_sums", "level_shift")
 _UNKNOWN = float("-inf")
 
 
@@ -111,7 +132,11 @@ class SpikeBank:
         # Consecutive in-band steps since the last out-of-band one; an episode is active while
         # it is below recover_steps, so it starts there (no episode yet).
         self.run = filled(float(cfg.recover_steps))
-        self.duration = filled(0.0)
+        # (1, the step's position in the episode) a row: one multiply-add adds the value and
+        # position x value to the level sums
+        self.positions = torch.zeros((rows, 2), dtype=_F64, device=self.device)
+        self.positions[:, 0] = 1.0
+        self.duration = self.positions[:, 1]  # 0 outside an episode
         self.spikes_total = filled(0.0)
         self.nonfinite_total = filled(0.0)
         # The last step, written in place each update, for stats().
@@ -122,10 +147,17 @@ class SpikeBank:
         self.nonfinite = filled(False, torch.bool)
         self.step = filled(0.0)  # the step of the last update, from 1
         self.nonfinite_step = filled(-1.0)
-        # The spike that opened the latest episode: step, value, window mean and std before it.
-        self.spike_at = torch.tensor(
-            [[-1.0, _UNKNOWN, _UNKNOWN, _UNKNOWN]] * rows, dtype=_F64, device=self.device
+        # The spike that opened the latest episode: step, value, window mean and std before it;
+        # then the level sums since it (NaN before one): of the values, and position x value.
+        nan = float("nan")
+        self._opened = torch.tensor(
+            [[-1.0, _UNKNOWN, _UNKNOWN, _UNKNOWN, nan, nan]] * rows, dtype=_F64, device=self.device
         )
+        self.spike_at = self._opened[:, :4]
+        self.level_sums = self._opened[:, 4:]
+        self._zero = filled(0.0)
+        # Level shifts accepted (rebase): how many, and the first step of the last one.
+        self.level_shift = torch.tensor([[0.0, -1.0]] * rows, dtype=_F64, device=self.device)
         self.detectors = [
             SpikeDetector(cfg, self.device, nonfinite_opens_episode=opens, bank=(self, row))
             for row, opens in enumerate(nonfinite_opens_episode)
@@ -166,9 +198,11 @@ class SpikeBank:
         self.nonfinite_total.add_(nonfinite)
         step = self.step.add_(1.0)
         torch.where(nonfinite, step, self.nonfinite_step, out=self.nonfinite_step)
-        spike_at = self.spike_at
-        opened = torch.stack((step, v, mean, std), dim=1)
-        torch.where(opens.unsqueeze(1), opened, spike_at, out=spike_at)
+        zero = self._zero
+        opened = torch.stack((step, v, mean, std, zero, zero), dim=1)
+        torch.where(opens.unsqueeze(1), opened, self._opened, out=self._opened)
+        # the level sums run on past the episode's end; only an episode's own are judged
+        self.level_sums.addcmul_(v.unsqueeze(1), self.positions)
         return nonfinite.clone()  # the bank's own is overwritten by the next update
 
 
@@ -204,11 +238,25 @@ class SpikeDetector:
         self._step = owner.step[row]
         self._nonfinite_step = owner.nonfinite_step[row]
         self._spike_at = owner.spike_at[row]
+        self._level_sums = owner.level_sums[row]
+        self._level_shift = owner.level_shift[row]
         self._initial = {key: getattr(self, f"_{key}").clone() for key in _NEWER_KEYS}
 
     def set_step(self, step: int) -> None:
         """Align the step count with the training loop's: ``step`` steps are done (no sync)."""
         self._step.fill_(float(step))
+
+    def rebase(self, shift_began: int | None = None) -> None:
+        """Take the current level as the new baseline: empty the window and end any episode
+        (on the device, no sync). ``shift_began``: the rebase accepts a level shift whose
+        episode began at that step (counted in ``level_shifts_total``)."""
+        self._window.fill_(float("nan"))
+        self._count.zero_()
+        self._run.fill_(float(self.cfg.recover_steps))
+        self._duration.zero_()
+        if shift_began is not None:
+            self._level_shift[0].add_(1.0)
+            self._level_shift[1].fill_(float(shift_began))
 
     def update(self, value: torch.Tensor) -> torch.Tensor:
         """Take this step's value (a 1-element tensor); return whether it is non-finite (bool).
@@ -242,7 +290,25 @@ class SpikeDetector:
             self._nonfinite_step,
         )
         scalars = torch.stack([f.to(_F64) for f in fields])
-        return torch.cat((scalars, window_stats, self._spike_at))
+        shift = self._shift_fit(active)
+        return torch.cat((scalars, window_stats, self._spike_at, shift, self._level_shift))
+
+    def _shift_fit(self, active: torch.Tensor) -> torch.Tensor:
+        """``shift_trend`` and ``shift_level``: the least-squares line through the episode's
+        values (positions 1..n), against the jump from the window mean before its spike."""
+        n = self._duration
+        began = self._step - n + 1
+        total, weighted = self._level_sums
+        mean = total / n
+        # slope = sum((t - mean t) v) / sum((t - mean t)^2), mean t = (n + 1) / 2
+        slope = (weighted - (n + 1) / 2 * total) / (n * (n * n - 1) / 12)
+        rise = slope * (n - 1)
+        jump = mean - self._spike_at[2]
+        clean = (self._spike_at[0] == began) & (self._nonfinite_step < began) & (n >= 2)
+        judged = active & clean & (jump > 0)
+        trend = torch.where(judged, rise / jump, torch.where(active, float("inf"), _UNKNOWN))
+        level = torch.where(judged, mean + slope * (n - 1) / 2, _UNKNOWN)
+        return torch.stack((trend, level))
 
     def stats_dict(self) -> dict[str, float]:
         """``stats()`` read to the host (one sync), keyed by STAT_FIELDS."""

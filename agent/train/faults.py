@@ -43,6 +43,7 @@ class FaultInjector:
     optimizer: torch.optim.Optimizer
     event: Callable[..., None]
     rank: int = 0
+    grad_accum: int = 1  # micro-batches a step (``loss_shift`` adds its share to each)
     step: int = field(default=0, init=False)
     active: dict[str, FaultConfig] = field(default_factory=dict, init=False)
     """The faults of ``step`` on this rank, by kind (of two of a kind, the one configured last).
@@ -103,8 +104,14 @@ class FaultInjector:
         return edited_activations(self.model if model is None else model, edits)
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's (accumulation-scaled) loss; NaN during ``nonfinite_loss``."""
-        return loss * float("nan") if "nonfinite_loss" in self.active else loss
+        """A micro-batch's (accumulation-scaled) loss; NaN during ``nonfinite_loss``; during
+        ``loss_shift``, its share of ``amount`` added (the step's loss goes up by ``amount``,
+        its gradients stay as they were)."""
+        if "nonfinite_loss" in self.active:
+            return loss * float("nan")
+        if shift := self.active.get("loss_shift"):
+            return loss + shift.amount / self.grad_accum
+        return loss
 
     def optimizer_step(self) -> contextlib.AbstractContextManager[None]:
         """Around the optimizer step: scales the learning rate during ``lr_scale``."""

@@ -211,6 +211,7 @@ class Trainer:
             optimizer=self.optimizer,
             event=self.guard.event,
             rank=self.dist.rank,
+            grad_accum=cfg.train.grad_accum,
         )
         if self.early_stopping is not None:  # after a resume: loaded from the checkpoint
             self.guard.register("early_stopping", self.early_stopping)

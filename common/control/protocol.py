@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from lossguard.common.config import describe_validation_error
 from lossguard.common.jsondepth import TooDeep, load_bounded
@@ -122,6 +122,23 @@ class SetLrScaleArgs(CommandArgs):
     scale: JsonNumber = Field(gt=0)
 
 
+MAX_REASON_LENGTH = 200
+
+
+def check_reason(text: str) -> str:
+    """An ``expect_change`` reason: printable text on one line, at most MAX_REASON_LENGTH
+    characters (ValueError otherwise)."""
+    if len(text) > MAX_REASON_LENGTH:
+        raise ValueError(f"must be at most {MAX_REASON_LENGTH} characters, not {len(text)}")
+    if not text.isprintable():
+        raise ValueError("must be printable text on one line")
+    return text
+
+
+class ExpectChangeArgs(CommandArgs):
+    reason: Annotated[str, AfterValidator(check_reason)] = ""
+
+
 COMMAND_ARGS: dict[str, type[CommandArgs]] = {
     "status": NoArgs,
     "checkpoints": NoArgs,
@@ -130,6 +147,7 @@ COMMAND_ARGS: dict[str, type[CommandArgs]] = {
     "pause": NoArgs,
     "resume": NoArgs,
     "set_lr_scale": SetLrScaleArgs,
+    "expect_change": ExpectChangeArgs,
     "stop": NoArgs,
 }
 COMMANDS = tuple(COMMAND_ARGS)

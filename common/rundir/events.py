@@ -20,6 +20,8 @@ COMMAND = "command"
 SPIKE = "spike"
 NONFINITE = "nonfinite"
 DETECTIONS = (SPIKE, NONFINITE)
+LEVEL_SHIFT = "level_shift"  # a loss episode taken as a new level, and ended
+EXPECTED_CHANGE = "expected_change"  # the detectors re-based on an operator's word
 # the agent under a framework (agent/integrations/)
 FRAMEWORK_CHECKPOINT = "framework_checkpoint"
 CONTINUED = "continued"

@@ -19,6 +19,10 @@ class NoEndpoint(Exception):
     """No way to reach the run's agent is known (one line)."""
 
 
+class NoSupervisor(NoEndpoint):
+    """The run is known and runs without a supervisor: a restart cannot happen (not retried)."""
+
+
 class Endpoints:
     """Opens a control client for a run."""
 
@@ -44,13 +48,15 @@ class Endpoints:
         run_dir = self.run_dir(run_id)
         if run_dir is None:
             raise NoEndpoint(f"run {run_id}: no run directory under the runs root, no supervisor")
+        if not (run_dir / SUPERVISOR_FILE).exists():
+            raise NoSupervisor(f"run {run_id} has no supervisor (run it under lossguard-supervise)")
         why = distrusted(run_dir / SUPERVISOR_FILE)
         info = SupervisorInfo.read(run_dir) if why is None else None
         if info is None or info.socket is None:
             raise NoEndpoint(
-                f"run {run_id} has no supervisor (run it under lossguard-supervise)"
-                if why is None
-                else f"run {run_id}: its supervisor.json is not believed: {why}"
+                f"run {run_id}: its supervisor.json is not believed: {why}"
+                if why is not None
+                else f"run {run_id}: its supervisor.json names no socket"
             )
         # the run directory's own socket, whatever the file names
         return ControlClient(socket_path=run_dir / SUPERVISOR_SOCKET, timeout=self.timeout_s)

@@ -18,12 +18,13 @@ from lossguard.monitor.actions.corroborate import AwaitingConfirmation, Corrobor
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
 from lossguard.monitor.actions.endpoints import Endpoints
-from lossguard.monitor.actions.exhausted import ExhaustedPages
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionAlert, ActionRecord
 from lossguard.monitor.actions.next_steps import next_steps
-from lossguard.monitor.actions.planner import ActionPlanner
+from lossguard.monitor.actions.outcomes import Outcomes
+from lossguard.monitor.actions.planner import ActionPlanner, StepOf
 from lossguard.monitor.actions.policy import ACTION_LABEL, ACTIONS, ActionsConfig
+from lossguard.monitor.actions.raised import RaisedAlerts
 from lossguard.monitor.actions.refusals import MAX_HELD, RefusalBudget
 from lossguard.monitor.actions.runner import ActionRunner, Done, Observe
 from lossguard.monitor.actions.store import ActionStore
@@ -59,14 +60,18 @@ class Actions:
         observe: Observe,
         on_done: Done,
         corroborator: Corroborator,
+        step_of: StepOf,
+        announce_for_s: float,
     ) -> None:
-        """``corroborator``: judges the alerts from Alertmanager."""
+        """``corroborator``: judges the alerts from Alertmanager; ``step_of``: a run's step
+        now; ``announce_for_s``: how long an announcement fires (longer than any group_wait)."""
         self.config = config
         self.observe = observe
         self.corroborator = corroborator
         self.store = ActionStore(state)
-        self.pages = ExhaustedPages(state)
-        self.planner = ActionPlanner(config, self.store, silences, self.pages, observe)
+        self.raised = RaisedAlerts(state)
+        self.outcomes = Outcomes(self.raised, announce_for_s)
+        self.planner = ActionPlanner(config, self.store, silences, self.outcomes, observe, step_of)
         self.endpoints = Endpoints(config, runs_root, seconds(config.timeout))
         self.config_path = config_path
         self.runner = ActionRunner(
@@ -119,6 +124,10 @@ class Actions:
         if recorded:
             self.runner.wake()
         return len(recorded)
+
+    def tell(self, record: ActionRecord, now: float) -> bool:
+        """Announce an answered action, or page for one that failed (``Outcomes``)."""
+        return self.outcomes.tell(record, now)
 
     def receive(self, alerts: list[IncomingAlert], now: float) -> list[Refusal]:
         """Take alerts from Alertmanager's webhook: the firing ones with an action label that
@@ -207,7 +216,7 @@ class Actions:
         done = [
             r for r in self.store.of_alert(alert.fingerprint) if r.created_at >= alert.starts_at
         ]
-        recent = self.store.of_run(run_id, alert.starts_at - seconds(self.config.rollback.window))
+        recent = self.store.of_run(run_id, 0.0)  # all of the run's: a pause may be old
         return dataclasses.replace(
             alert,
             annotations=self._with_diagnosis(alert, run_id),

@@ -5,8 +5,11 @@ decision follows the alerts as they are (level-triggered): a new instance gets i
 recorded (to be sent); one a silence holds back is recorded as held and goes out once the
 silence ends, if it still fires; a rollback waits out the run's cooldown and any rollback still
 in flight. A divergence that comes back after a rollback is a new alert instance (the rollback
-restored the detectors' state, so the alert ended) and gets the next attempt; past
-``max_attempts`` in the window the monitor pages RollbacksExhausted and pauses the run.
+restored the detectors' state, so the alert ended) and gets the next attempt. Attempts are
+counted in steps of training, not in time: the earlier rollbacks of the run whose bad step (the
+step rolled back from) lies within ``within_steps`` of the run's step now. Past ``max_attempts``
+the monitor pages RollbacksExhausted and pauses the run. With actions off, an alert asking for
+one pages (nobody else acts on it).
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import logging
 from collections.abc import Callable, Iterable
 
 from lossguard.common.config import seconds
-from lossguard.monitor.actions.exhausted import ExhaustedPages
 from lossguard.monitor.actions.model import ActionAlert, ActionRecord, ActionState
+from lossguard.monitor.actions.outcomes import Outcomes
 from lossguard.monitor.actions.policy import ACTION_LABEL, ACTIONS, ActionsConfig
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.silences import SilenceStore
 
 Observe = Callable[[str, str], None]  # (action kind, result)
+StepOf = Callable[[str, float], "int | None"]  # (run id, now) -> the run's step, if known
 log = logging.getLogger("lossguard.monitor.actions")
 
 
@@ -33,26 +37,28 @@ class ActionPlanner:
         config: ActionsConfig,
         store: ActionStore,
         silences: SilenceStore,
-        pages: ExhaustedPages,
+        outcomes: Outcomes,
         observe: Observe,
+        step_of: StepOf,
     ) -> None:
         self.config = config
         self.store = store
         self.silences = silences
-        self.pages = pages
+        self.outcomes = outcomes
         self.observe = observe
+        self.step_of = step_of
 
     def plan(self, firing: Iterable[ActionAlert], now: float) -> list[ActionRecord]:
         """Record what the firing alerts call for; the records to send now."""
         firing = list(firing)
         to_send: list[ActionRecord] = []
-        if self.config.enabled:
-            for alert in firing:
+        for alert in firing:
+            if self.config.enabled:
                 to_send += self._plan_one(alert, now)
+            elif alert.run_id:
+                self.outcomes.actions_off(alert, now)
         self._drop_ended({a.request_id for a in firing}, now)
-        diverging = {a.run_id for a in firing if a.labels.get(ACTION_LABEL) == "rollback"}
-        for run in self.pages.resolve_quiet(diverging, now):
-            log.info("RollbacksExhausted resolved for run %s: no rollback alert fires", run)
+        self.outcomes.resolve_quiet([a.labels for a in firing], now)
         return to_send
 
     def _drop_ended(self, firing: set[str], now: float) -> None:
@@ -104,16 +110,17 @@ class ActionPlanner:
         policy = self.config.rollback
         earlier = [
             r
-            for r in self.store.of_run(alert.run_id, now - seconds(policy.window), "rollback")
+            for r in self.store.of_run(alert.run_id, 0.0, "rollback")
             if r.state in ("pending", "applied") and r.id != base.id
         ]
         if any(r.state == "pending" for r in earlier):
             return []  # one rollback of a run at a time
         if earlier and now - earlier[-1].created_at < seconds(policy.cooldown):
             return []  # decided again on a later evaluation, if it still fires
-        attempt = len(earlier) + 1
+        attempts = self._attempts(alert.run_id, earlier, now)
+        attempt = attempts + 1
         if attempt > policy.max_attempts:
-            return self._exhausted(alert, base, len(earlier), now)
+            return self._exhausted(alert, base, attempts, now)
         args = {
             "target": policy.target,
             "skip_batches": policy.skip_batches,
@@ -123,30 +130,50 @@ class ActionPlanner:
             base.replace(args=args, attempt=attempt, of_attempts=policy.max_attempts)
         )
 
+    def _attempts(self, run_id: str, earlier: list[ActionRecord], now: float) -> int:
+        """The applied rollbacks whose bad step lies within ``within_steps`` of the run's step
+        now (of the newest bad step when the run's step is not known)."""
+        bad_steps = [
+            r.result["from_step"]
+            for r in earlier
+            if r.state == "applied" and isinstance(r.result.get("from_step"), int)
+        ]
+        if not bad_steps:
+            return 0
+        step = self.step_of(run_id, now)
+        here = max(bad_steps) if step is None else step
+        within = self.config.rollback.within_steps
+        return sum(1 for bad in bad_steps if abs(here - bad) <= within)
+
     def _exhausted(
         self, alert: ActionAlert, base: ActionRecord, rollbacks: int, now: float
     ) -> list[ActionRecord]:
         policy = self.config.rollback
         reason = (
-            f"not rolled back: {rollbacks} rollbacks in the last {policy.window} already "
-            f"(max_attempts {policy.max_attempts})"
+            f"not rolled back: {rollbacks} rollbacks for bad steps within "
+            f"{policy.within_steps} steps already (max_attempts {policy.max_attempts})"
         )
         self._final(base, "failed", reason)
-        if self.pages.raise_page(alert.labels, rollbacks, policy.window, policy.on_exhausted, now):
-            log.warning("RollbacksExhausted for run %s: %s", alert.run_id, reason)
+        self.outcomes.exhausted(
+            alert.labels, rollbacks, policy.within_steps, policy.on_exhausted, now
+        )
         if policy.on_exhausted == "none":
             return []
         then = base.replace(
             id=f"{base.id}-{policy.on_exhausted}",
             kind=policy.on_exhausted,
-            reason=f"rollbacks exhausted ({rollbacks} in {policy.window})",
+            reason=f"rollbacks exhausted ({rollbacks} within {policy.within_steps} steps)",
         )
         return self._record(then)
 
     def _record(self, record: ActionRecord) -> list[ActionRecord]:
         """Record an action to send, or, in a dry run, to announce only."""
         if self.config.dry_run:
-            return self._final(record, "dry_run", "dry run: not sent")
+            self._final(record, "dry_run", "dry run: not sent")
+            done = self.store.get(record.id)
+            if done is not None:
+                self.outcomes.tell(done, record.created_at)  # announced, as if applied
+            return []
         if not self.store.add(record):
             return []
         log.info(

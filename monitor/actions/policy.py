@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lossguard.common.config import Section, seconds
 from lossguard.common.control.protocol import parse_target
@@ -53,14 +53,34 @@ class RollbackPolicy(Section):
         description="Factor applied to the run's learning rate at each attempt (attempt i "
         "uses the i-th, the last repeats): by default the second and later halve it again.",
     )
-    max_attempts: int = Field(default=3, ge=1, description="Rollbacks per run per window.")
-    window: str = Field(default="1h", description="The window max_attempts counts in.")
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Rollbacks of a run whose bad steps lie within within_steps of each other.",
+    )
+    within_steps: int = Field(
+        default=2000,
+        ge=1,
+        strict=True,
+        description="Steps of training: an earlier rollback counts as an attempt while the "
+        "step it rolled back from lies within this many steps of the run's step now.",
+    )
     cooldown: str = Field(default="30s", description="Least time between two rollbacks of one run.")
     on_exhausted: Literal["pause", "stop", "none"] = Field(
         default="pause",
         description="What to do when the attempts are spent (besides the RollbacksExhausted "
         "page): pause keeps the process and its state for a human.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_window(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "window" in data:
+            raise ValueError(
+                "window: attempts are counted in steps of training now, not in time; "
+                "use within_steps (a number of steps) instead"
+            )
+        return data
 
     @field_validator("target", mode="before")
     @classmethod
@@ -81,7 +101,7 @@ class RollbackPolicy(Section):
             raise ValueError("each factor must be in (0, 1]")
         return value
 
-    @field_validator("window", "cooldown", mode="before")
+    @field_validator("cooldown", mode="before")
     @classmethod
     def _durations(cls, value: Any) -> str:
         return _duration(value)

@@ -16,7 +16,7 @@ from typing import Any
 from lossguard.common.control.client import ControlError, ControlTimeout, ControlUnavailable
 from lossguard.common.control.protocol import ErrorCode
 from lossguard.monitor.actions.describe import describe
-from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint
+from lossguard.monitor.actions.endpoints import Endpoints, NoEndpoint, NoSupervisor
 from lossguard.monitor.actions.model import ActionRecord, ActionState
 from lossguard.monitor.actions.planner import Observe
 from lossguard.monitor.actions.policy import COMMAND_OF, SUPERVISOR_ACTIONS
@@ -102,6 +102,9 @@ class ActionRunner:
                 return None
             who = "supervisor" if to_supervisor else "agent"
             self._finish(record, "failed", reason=f"the {who} refused it: {exc}")
+            return None
+        except NoSupervisor as exc:
+            self._finish(record, "failed", reason=str(exc))
             return None
         except (ControlUnavailable, ControlTimeout, NoEndpoint, OSError) as exc:
             return self._retry(record, str(exc))

@@ -157,7 +157,7 @@ def measure_monitor(
         now = time.time()
         due = schedule.due(groups, now)
         started = time.perf_counter()
-        ruleset.evaluate(query, now, groups=due)
+        ruleset.evaluate(query, now, groups=due, expr_query=source.query)
         schedule.done(groups, due, now)
         return time.perf_counter() - started
 

@@ -21,13 +21,13 @@ from lossguard.common.rundir.events import ROLLBACK
 from lossguard.common.rundir.names import SOCKET_NAME
 from lossguard.monitor.demo.inbox import Inbox
 from lossguard.monitor.demo.scenario import (
-    GROUP_INTERVAL,
     RUN_ID,
     DemoFiles,
     Fault,
     Receivers,
     Scenario,
     prepare,
+    shipped_notifications,
     write_agent_config,
     write_monitor_config,
 )
@@ -37,8 +37,7 @@ from lossguard.monitor.demo.watch import Happening, Watcher
 
 POLL_S = 0.25
 TIME_LIMIT_S = 900.0  # the story normally ends within minutes; a run that never recovers stops
-SETTLE_S = seconds(GROUP_INTERVAL) + 1.0  # a resolved alert's group is flushed within this
-SETTLE_LIMIT_S = 30.0
+SETTLE_MARGIN_S = 30.0  # beyond group_wait: delivery, and its retries
 STOP_TIMEOUT_S = 60.0
 
 
@@ -122,6 +121,7 @@ class Demo:
         self.stopped_by_demo = False
         self.report: Path | None = None
         self.report_problem: str | None = None
+        self.group_wait = str(shipped_notifications()["route"]["group_wait"])
 
     def run(self) -> Story:
         self._tell_intro()
@@ -183,6 +183,9 @@ class Demo:
             f"standard library's sources; fault: {self.scenario.describe()}",
             "monitor: the default rules (alerts/lossguard.rules.yml) and actions "
             f"(configs/monitor.yml), scraping and evaluating every second; {slack}, {pager}",
+            "notifications as shipped (configs/monitor.yml, its routes uncommented): critical "
+            "alerts to PagerDuty and Slack, warnings and announcements (what the monitor did) "
+            f"to Slack, the rest to the monitor's log; group_wait {self.group_wait}",
             f"the demo stops the run at its first evaluation from step {self.scenario.steps} "
             "after it has been rolled back",
         ]
@@ -210,16 +213,19 @@ class Demo:
             self.problem = f"the agent exited by itself ({_last_line(self.files.agent_log)})"
 
     def _settle(self, monitor: subprocess.Popen[bytes]) -> None:
-        """After the run: until the monitor has sent what the alerts' last changes call for
-        (a resolved alert's group is flushed within group_interval), within a limit."""
-        deadline = time.monotonic() + SETTLE_LIMIT_S
+        """After the run: until every action the monitor applied has been announced
+        (ActionTaken, flushed up to group_wait after it: the shipped 30 s) and the outbox is
+        empty, within group_wait and a margin. Resolved alerts are not waited for: their group
+        is told group_interval (5 minutes) after its last message."""
+        deadline = time.monotonic() + settle_limit_s()
         while monitor.poll() is None and time.monotonic() < deadline:
             self._poll()
-            changes = [c.at for c in self.watcher.alerts if c.kind == "resolved"]
-            quiet = not changes or time.time() > max(changes) + SETTLE_S
-            if quiet and self.watcher.outbox_pending() == 0:
+            if not self.watcher.unannounced() and self.watcher.outbox_pending() == 0:
                 return
             time.sleep(POLL_S)
+        waiting = [a.id for a in self.watcher.unannounced()]
+        if waiting:
+            self._tell(f"gave up waiting for the announcement of {', '.join(waiting)}")
 
     def _recovered(self) -> bool:
         """Rolled back and evaluated at or past ``steps`` since the last rollback."""
@@ -265,6 +271,14 @@ class Demo:
 
     def _elapsed(self) -> float:
         return time.monotonic() - self.started
+
+
+def settle_limit_s() -> float:
+    """How long the demo waits after the run for the announcements: the longest group_wait
+    of the shipped routes, and a margin."""
+    route = shipped_notifications()["route"]
+    waits = [route["group_wait"], *(r["group_wait"] for r in route["routes"] if "group_wait" in r)]
+    return max(seconds(w) for w in waits) + SETTLE_MARGIN_S
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

@@ -28,12 +28,16 @@ LR_FACTOR = 1000.0
 LOG_EVERY = 5
 SPIKE_ZSCORE = 25.0
 CAP_PER_STEP = 100  # the run's max_steps per --steps: the demo stops it long before
-GROUP_WAIT = "0s"  # a page at once: the rollback may end the alert within seconds
-GROUP_INTERVAL = "5s"
-# A transient NaN ends its spike episode 20 steps later; the next checkpoint is then healthy and
-# ends LossNonFinite. Slowed steps keep that later than the monitor's 1 s scrape and evaluation.
-NAN_SLOW_STEPS = 40
-NAN_SLOW_STEP_S = 0.2
+# --fault nan: NaN losses for the 40 steps LossNonFinite waits for, so that its episode reaches
+# them at the last NaN and every NaN step lies before the rollback (a ``once`` fault perturbs a
+# step again after a rollback only past the step the run had reached). The detector ends the
+# episode on the 20th finite step after them, and LossNonFinite with it: those steps are slowed,
+# so that the monitor (1 s scrape and evaluation) sees the episode at 40 steps before it ends,
+# and rolls back before it reaches LossSpike's 50 (5 s). The demo waits for the announcement
+# (group_wait, 30 s) longer than the slowed steps take.
+NAN_STEPS = 40
+NAN_SLOW_STEPS = 20
+NAN_SLOW_STEP_S = 0.5
 DEMO_BATCH_SIZE = 8
 Fault = Literal["lr", "nan"]
 MIN_STEPS: dict[Fault, int] = {"lr": 120, "nan": 30}
@@ -68,21 +72,32 @@ class Scenario:
         """ConfigError naming the option when the scenario cannot tell its story."""
         least = MIN_STEPS[self.fault]
         if self.steps < least:
+            before = (
+                "a checkpoint"
+                if self.fault == "nan"
+                else "the spike detector's 32 steps of history and a checkpoint"
+            )
             raise ConfigError(
                 f"--steps: at least {least} with --fault {self.fault}, not {self.steps} (the "
-                "fault comes at a third of the run, after the spike detector's 32 steps of "
-                "history and a checkpoint)"
+                f"fault comes at a third of the run, after {before})"
             )
 
     def faults(self) -> list[dict[str, Any]]:
-        """The agent's ``faults:`` list. Both are transient (``once``): the steps replayed after
-        the rollback are not perturbed again."""
+        """The agent's ``faults:`` list, each transient (``once``): the steps replayed after the
+        rollback are not perturbed again (steps past the one the run had reached would be: the
+        NaN steps all lie before the rollback, and the demo stops the run long before the step
+        the lr fault's run was rolled back from)."""
         if self.fault == "nan":
             return [
-                {"kind": "nonfinite_loss", "step": self.fault_step, "once": True},
+                {
+                    "kind": "nonfinite_loss",
+                    "step": self.fault_step,
+                    "duration": NAN_STEPS,
+                    "once": True,
+                },
                 {
                     "kind": "slow_step",
-                    "step": self.fault_step,
+                    "step": self.fault_step + NAN_STEPS,
                     "duration": NAN_SLOW_STEPS,
                     "seconds": NAN_SLOW_STEP_S,
                     "once": True,
@@ -101,10 +116,11 @@ class Scenario:
 
     def describe(self) -> str:
         if self.fault == "nan":
+            last = self.fault_step + NAN_STEPS - 1
             return (
-                f"a NaN loss injected at step {self.fault_step} (the {NAN_SLOW_STEPS} steps from "
-                f"there slowed to {NAN_SLOW_STEP_S:g} s, so that the monitor sees the NaN before "
-                "a healthy checkpoint after it would end the alert)"
+                f"NaN losses from step {self.fault_step} to {last} ({NAN_STEPS} steps, as many "
+                f"as LossNonFinite waits for; the {NAN_SLOW_STEPS} steps after them slowed to "
+                f"{NAN_SLOW_STEP_S:g} s, so that the monitor sees the episode before it ends)"
             )
         return f"the learning rate multiplied by {LR_FACTOR:g} from step {self.fault_step} on"
 
@@ -192,8 +208,8 @@ def write_agent_config(
         "train": {
             "max_steps": scenario.max_steps,
             "schedule": "constant",  # the run is stopped long before max_steps
-            # half the demo config's batch: twice the steps a second, so the shipped rule's
-            # 300-step episode (and the whole story) fits in 3 minutes on 2 CPU cores
+            # half the demo config's batch: twice the steps a second, so that the shipped
+            # rule's 300-step episode (and the whole story) takes half the time
             "batch_size": DEMO_BATCH_SIZE,
             "eval_every": scenario.eval_every,
             "log_every": LOG_EVERY,
@@ -221,34 +237,49 @@ def write_agent_config(
 
 
 def write_monitor_config(files: DemoFiles, receivers: Receivers, inbox_url: str | None) -> None:
-    """``monitor.yml``: configs/monitor.yml (rules, actions, inhibition) watching the demo's
-    folder, listening on a free port, with Slack (critical and warning) and PagerDuty
-    (critical) receivers and short group timers, so that a page and its resolve come within
-    the demo's minutes."""
+    """``monitor.yml``: configs/monitor.yml (rules, actions, routes, timers, inhibition) watching
+    the demo's folder, listening on a free port, with its Slack and PagerDuty receivers and
+    routes uncommented (:func:`shipped_notifications`)."""
     settings = read_config_file(MONITOR_BASE)
     base = MONITOR_BASE.parent
     settings["rules"]["files"] = [str((base / f).resolve()) for f in settings["rules"]["files"]]
     settings["scrape"] = {**settings["scrape"], "runs_root": str(files.work)}
     settings["state"] = {"path": str(files.state_db)}
     settings["listen"] = {**settings["listen"], "port": 0}
+    pagerduty_url = None if receivers.pagerduty_real else f"{inbox_url}/v2/enqueue"
+    settings["notifications"] = shipped_notifications(pagerduty_url)
+    settings["notifications"].pop("dashboard_url", None)  # no Grafana in the demo
+    files.monitor_config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    load_monitor_config(files.monitor_config)  # ConfigError naming the key
+
+
+def shipped_notifications(pagerduty_url: str | None = None) -> dict[str, Any]:
+    """configs/monitor.yml's ``notifications`` with the receivers and routes it ships
+    commented out (they need secrets) uncommented: ``oncall-pager`` (PagerDuty, the routing key
+    from $LOSSGUARD_PAGERDUTY_ROUTING_KEY, its events API at ``pagerduty_url`` when given) and
+    ``team-slack`` (the webhook URL from $LOSSGUARD_SLACK_WEBHOOK_URL); every timer as shipped."""
+    text = MONITOR_BASE.read_text()
+    notifications: dict[str, Any] = yaml.safe_load(text)["notifications"]
     pagerduty: dict[str, Any] = {"routing_key_env": PAGERDUTY_ENV}
-    if not receivers.pagerduty_real:
-        pagerduty["url"] = f"{inbox_url}/v2/enqueue"
-    notifications = settings["notifications"]
-    notifications.pop("dashboard_url", None)  # no Grafana in the demo
+    if pagerduty_url is not None:
+        pagerduty["url"] = pagerduty_url
     notifications["receivers"] = [
-        {"name": "console", "log_configs": [{}]},
+        *notifications["receivers"],
         {"name": "oncall-pager", "pagerduty_configs": [pagerduty]},
         {"name": "team-slack", "slack_configs": [{"api_url_env": SLACK_ENV}]},
     ]
-    notifications["route"] = {
-        **notifications["route"],
-        "group_wait": GROUP_WAIT,
-        "group_interval": GROUP_INTERVAL,
-        "routes": [
-            {"receiver": "oncall-pager", "matchers": ['severity="critical"'], "continue": True},
-            {"receiver": "team-slack", "matchers": ['severity=~"critical|warning"']},
-        ],
-    }
-    files.monitor_config.write_text(yaml.safe_dump(settings, sort_keys=False))
-    load_monitor_config(files.monitor_config)  # ConfigError naming the key
+    notifications["route"]["routes"] = _commented_routes(text)
+    return notifications
+
+
+def _commented_routes(text: str) -> list[dict[str, Any]]:
+    """The ``# routes:`` block of configs/monitor.yml, uncommented."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# routes:")
+    block = []
+    for line in lines[start + 1 :]:
+        if not line.strip().startswith("#   - "):
+            break
+        block.append(line.strip().removeprefix("#").strip())
+    routes: list[dict[str, Any]] = yaml.safe_load("\n".join(block))
+    return routes

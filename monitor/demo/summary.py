@@ -12,6 +12,7 @@ from typing import Any
 from lossguard.common.rundir.events import DETECTIONS, ROLLBACK
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.model import ActionRecord
+from lossguard.monitor.actions.outcomes import ANNOUNCED_STATES, TAKEN
 from lossguard.monitor.demo.inbox import Message
 from lossguard.monitor.demo.recovery import Recovery, injected_fault, measure
 from lossguard.monitor.demo.scenario import PAGERDUTY_ENV, SLACK_ENV
@@ -163,7 +164,7 @@ def summary_lines(story: Story, places: Places, inbox: Sequence[Message]) -> lis
         lines.append(f"  {_since(story, at)}{_step(story, at)}  {action.kind}: {describe(action)}")
     if not story.actions:
         lines.append("  nothing: no alert asked for an action")
-    lines.append(f"  told: {_told(story.sent)}")
+    lines += _told_lines(story)
     lines += ["", "How the run recovered", *_recovery_lines(story)]
     lines += ["", "Where to look next", *_places_lines(places)]
     if places.inbox is not None:
@@ -175,8 +176,9 @@ def _recovery_lines(story: Story) -> list[str]:
     lines = []
     r = story.recovery
     if r is not None:
+        alert = next((a.alertname for a in story.actions if a.kind == "rollback"), "the alert")
         lines.append(
-            f"  from the start of the bad step (step {r.bad_step}): the alert fired after "
+            f"  from the start of the bad step (step {r.bad_step}): {alert} fired after "
             f"{r.detected_s:.1f} s, the rollback was applied after {r.applied_s:.1f} s (at step "
             f"{r.from_step}, back to step {r.to_step}), training again after {r.recovered_s:.1f} s "
             "(the first step logged after the rollback)"
@@ -232,9 +234,11 @@ def _places_lines(places: Places) -> list[str]:
 
 
 def _inbox_lines(story: Story, path: Path, inbox: Sequence[Message]) -> list[str]:
+    slack = sum(1 for m in inbox if m.service == "slack")
     lines = [
         f"The inbox ({path}): each request exactly as the monitor sent it, one JSON line each "
-        f"(set {SLACK_ENV} and {PAGERDUTY_ENV} to send them to Slack and PagerDuty)"
+        f"(set {SLACK_ENV} and {PAGERDUTY_ENV} to send them to Slack and PagerDuty): "
+        f"{_count(slack, 'Slack message')}, {_count(len(inbox) - slack, 'PagerDuty event')}"
     ]
     for message in inbox:
         body = message.body if isinstance(message.body, dict) else {}
@@ -251,16 +255,82 @@ def _inbox_lines(story: Story, path: Path, inbox: Sequence[Message]) -> list[str
     return lines
 
 
-def _told(sent: Sequence[Sent]) -> str:
-    if not sent:
-        return "nobody (no notification was delivered)"
-    counts: dict[str, int] = {}
-    for s in sent:
-        if s.delivered:
-            counts[s.service] = counts.get(s.service, 0) + 1
-    told = ", ".join(f"{service} {n}x" for service, n in counts.items()) or "nobody"
-    failed = sum(1 for s in sent if not s.delivered)
-    return told + (f"; {failed} not delivered" if failed else "")
+def _told_lines(story: Story) -> list[str]:
+    """What the monitor delivered, by service; whether each applied action was announced and
+    anyone paged; what was still open, untold, when the demo stopped the monitor."""
+    delivered = [s for s in story.sent if s.delivered]
+    failed = len(story.sent) - len(delivered)
+    by_service: dict[str, list[Sent]] = {"Slack": [], "PagerDuty": []}
+    for sent in delivered:
+        by_service.setdefault(sent.service, []).append(sent)
+    counts = [
+        f"{service} {_count(len(sent), 'event' if service == 'PagerDuty' else 'message')}"
+        + (f" ({'; '.join(_what(s) for s in sent)})" if sent else "")
+        for service, sent in by_service.items()
+    ]
+    lines = ["  told: " + ", ".join(counts) + (f"; {failed} not delivered" if failed else "")]
+    outcome = [_announced(action, delivered) for action in story.actions if _applied(action)]
+    pages = by_service["PagerDuty"]
+    if not pages:
+        outcome.append("nobody was paged (no PagerDuty event)")
+    else:
+        triggers = sum(1 for s in pages if s.firing)
+        outcome.append(
+            f"PagerDuty was sent {_count(triggers, 'trigger')} and "
+            f"{_count(len(pages) - triggers, 'resolve')}"
+        )
+    lines.append("  " + "; ".join(outcome))
+    open_ = _untold(story, delivered)
+    if open_:
+        lines.append("  when the demo stopped the monitor: " + "; ".join(open_))
+    return lines
+
+
+def _applied(action: ActionRecord) -> bool:
+    return action.state in ANNOUNCED_STATES
+
+
+def _announced(action: ActionRecord, delivered: Sequence[Sent]) -> str:
+    told = [s for s in delivered if action.id in s.action_ids]
+    if not told:
+        return f"the {action.kind} was not announced before the demo stopped the monitor"
+    where = ", ".join(dict.fromkeys(f"{s.service} ({s.receiver})" for s in told))
+    times = "once" if len(told) == 1 else f"{len(told)} times"
+    return f"the {action.kind} was announced {times} ({TAKEN} to {where})"
+
+
+def _untold(story: Story, delivered: Sequence[Sent]) -> list[str]:
+    """The alerts told as firing whose resolve was not sent: still firing, or resolved after
+    the group's last message (its next one comes group_interval after that)."""
+    told: dict[str, str] = {}
+    for sent in sorted(delivered, key=lambda s: s.at):
+        told.update({name: "firing" for name in sent.firing})
+        told.update({name: "resolved" for name in sent.resolved})
+    found = []
+    for name, state in told.items():
+        if state != "firing":
+            continue
+        last = next((c for c in reversed(story.alerts) if c.name == name), None)
+        if last is not None and last.kind == "resolved":
+            at = _since(story, last.at).strip()
+            found.append(f"{name} resolved at {at}, its resolve not sent")
+        else:
+            found.append(f"{name} still firing, no resolve sent")
+    return found
+
+
+def _what(sent: Sent) -> str:
+    """The alerts a notification told of, by name (its text when it names none)."""
+    names = [
+        *(f"{n} firing" for n in sent.firing),
+        *(f"{n} resolved" for n in sent.resolved),
+        *sent.announced,
+    ]
+    return ", ".join(names) or sent.text
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _step(story: Story, at: float) -> str:

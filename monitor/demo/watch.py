@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,9 +18,11 @@ from lossguard.common.rundir.jsonl import JsonlFollower
 from lossguard.common.rundir.names import EVENTS_LOG, METRICS_LOG
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.model import ActionRecord
+from lossguard.monitor.actions.outcomes import ANNOUNCED_STATES, TAKEN
 from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.integrations.pagerduty import summary as pagerduty_summary
 from lossguard.monitor.notify.integrations.slack import fallback_text
+from lossguard.monitor.notify.model import AlertInfo, announcement
 from lossguard.monitor.notify.store import DEAD, DELIVERED, NotifyStore, OutboxEntry
 from lossguard.monitor.rules.alerting import ALERT_NAME, TransitionKind
 from lossguard.monitor.state import StateStore
@@ -53,13 +56,19 @@ class AlertChange:
 
 @dataclass(frozen=True)
 class Sent:
-    """One notification the monitor delivered (or gave up on)."""
+    """One notification the monitor delivered (or gave up on), and the alerts it told of by
+    name: firing, resolved, and announcements (``announce="once"``: told once, never as
+    resolved), with the ids of the actions it announced (ActionTaken)."""
 
     at: float
     service: str  # Slack | PagerDuty | webhook
     receiver: str
     text: str
     delivered: bool
+    firing: tuple[str, ...] = ()
+    resolved: tuple[str, ...] = ()
+    announced: tuple[str, ...] = ()
+    action_ids: tuple[str, ...] = ()
 
 
 @dataclass
@@ -119,6 +128,14 @@ class Watcher:
             else:
                 now.pop(change.name, None)
         return [f"{name} ({state})" for name, state in now.items()]
+
+    def unannounced(self) -> list[ActionRecord]:
+        """The actions applied (or dry run) whose announcement (ActionTaken) no delivered
+        notification has told yet."""
+        told = {i for s in self.sent if s.delivered for i in s.action_ids}
+        return [
+            a for a in self.actions.values() if a.state in ANNOUNCED_STATES and a.id not in told
+        ]
 
     def outbox_pending(self) -> int | None:
         """Notifications waiting to be delivered (None: the monitor has not started)."""
@@ -262,7 +279,8 @@ def _fault(event: dict[str, Any]) -> str:
     if kind == "lr_scale":
         return f"learning rate x{event['factor']:g}"
     if kind == "nonfinite_loss":
-        return "NaN loss"
+        steps = int(event.get("duration", 1))
+        return "NaN loss" if steps == 1 else f"NaN losses for {steps} steps"
     if kind == "slow_step":
         return f"{event['duration']} steps slowed by {event['seconds']:g} s"
     return str(kind)
@@ -271,21 +289,33 @@ def _fault(event: dict[str, Any]) -> str:
 def _sent(entry: OutboxEntry) -> Sent:
     notification = entry.notification
     kind = notification.integration
-    if kind == "pagerduty":
-        alert = notification.alerts[0]
-        action = "trigger" if alert.status == "firing" else "resolve"
-        text = f"{action} {pagerduty_summary(alert)}"
+    if kind == "pagerduty":  # one event for the group: a trigger while any alert fires
+        action = "trigger" if notification.status == "firing" else "resolve"
+        text = f"{action} {pagerduty_summary(notification)}"
     else:
         text = fallback_text(notification)
     if entry.state == DEAD:
         text += f" ({entry.last_error})"
+    alerts = notification.alerts
+    told = [a for a in alerts if not announcement(a.labels)]
+    announced = [a for a in alerts if announcement(a.labels) and a.status == "firing"]
     return Sent(
         at=entry.finished_at or entry.created_at,
         service=SERVICES.get(kind, kind),
         receiver=notification.receiver,
         text=text,
         delivered=entry.state == DELIVERED,
+        firing=_names(a for a in told if a.status == "firing"),
+        resolved=_names(a for a in told if a.status == "resolved"),
+        announced=_names(announced),
+        action_ids=tuple(
+            a.labels["action_id"] for a in announced if a.name == TAKEN and "action_id" in a.labels
+        ),
     )
+
+
+def _names(alerts: Iterable[AlertInfo]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(a.name for a in alerts))
 
 
 def _listen_url(path: Path) -> str | None:

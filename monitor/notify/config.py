@@ -1,5 +1,6 @@
 """The ``notifications`` section of monitor.yml, shaped like Alertmanager's configuration:
-receivers with ``slack_configs``, ``pagerduty_configs``, ``webhook_configs`` and ``log_configs``,
+receivers with ``slack_configs``, ``pagerduty_configs``, ``webhook_configs``, ``log_configs``
+and ``alertmanager_configs`` (the monitor's own alerts handed to an Alertmanager),
 a routing tree, inhibition rules. Secrets are never in the file: each URL or key is read from
 the environment variable the file names (``*_env``)."""
 
@@ -50,6 +51,21 @@ class WebhookConfig(_Integration):
     max_alerts: int = Field(default=0, ge=0, description="Alerts per message; 0 = all.")
 
 
+class AlertmanagerConfig(_Integration):
+    """The monitor's own alerts posted to an Alertmanager, which routes them on."""
+
+    url: str = Field(description="Alertmanager's base URL, e.g. http://alertmanager:9093.")
+    username: str = Field(default="", description="Basic-auth user (with password_env).")
+    password_env: str | None = Field(
+        default=None, pattern=ENV_NAME, description="Environment variable holding the password."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return http_url(url)
+
+
 class LogConfig(_Integration):
     """Notifications written to the monitor's log (the console)."""
 
@@ -60,6 +76,7 @@ class ReceiverConfig(Section):
     pagerduty_configs: list[PagerDutyConfig] = Field(default_factory=list)
     webhook_configs: list[WebhookConfig] = Field(default_factory=list)
     log_configs: list[LogConfig] = Field(default_factory=list)
+    alertmanager_configs: list[AlertmanagerConfig] = Field(default_factory=list)
 
     def integrations(self) -> list[tuple[str, int, _Integration]]:
         """(kind, index, config) of every integration of this receiver."""
@@ -68,6 +85,7 @@ class ReceiverConfig(Section):
             ("pagerduty", self.pagerduty_configs),
             ("webhook", self.webhook_configs),
             ("log", self.log_configs),
+            ("alertmanager", self.alertmanager_configs),
         ]
         return [(kind, i, c) for kind, configs in kinds for i, c in enumerate(configs)]
 

@@ -4,11 +4,12 @@ and every ``group_interval`` after that; leave out silenced and inhibited alerts
 receiver integration only what changed since it was last told, or everything again once
 ``repeat_interval`` has passed; queue what it is told in the outbox.
 
-Two differences from Alertmanager, on purpose: a receiver that was told an alert fires is told
+Three differences from Alertmanager, on purpose: a receiver that was told an alert fires is told
 when it resolves even if the alert is silenced or inhibited by then, so a page never stays open
-because someone silenced it after acknowledging it; and the groups outlive config changes (they
-are persisted): an alert keeps the receivers it was routed to while it fires, and they hear when
-it resolves, while alerts that fire after the change follow the new routes."""
+because someone silenced it after acknowledging it; an announcement (``announce="once"``) is
+never told as resolved; and the groups outlive config changes (they are persisted): an alert
+keeps the receivers it was routed to while it fires, and they hear when it resolves, while alerts
+that fire after the change follow the new routes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.notify.facts import Facts, RunFacts
 from lossguard.monitor.notify.inhibit import Inhibitor
 from lossguard.monitor.notify.integrations import Integration
-from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo, Notification, lane_name
+from lossguard.monitor.notify.model import (
+    RUN_LABEL,
+    AlertInfo,
+    Notification,
+    announcement,
+    lane_name,
+)
 from lossguard.monitor.notify.routing import Route, build_route
 from lossguard.monitor.notify.silences import Silence, SilenceStore
 from lossguard.monitor.notify.store import Group, NotifyStore
@@ -168,12 +175,6 @@ class Dispatcher:
                 )
         return queued
 
-    def retell(self, fingerprint: str, now: float) -> None:
-        """Tell the receivers already told of this firing alert about it again at once (the
-        monitor acted on it), in the groups that hold it."""
-        with self.state.transaction() as db:
-            NotifyStore.retell(db, fingerprint, now)
-
     def _muted(
         self, labels: Labels, silences: list[Silence], firing: Sequence[Labels], now: float
     ) -> bool:
@@ -195,7 +196,11 @@ class Dispatcher:
         told, told_at = NotifyStore.told(db, group.id, lane.name) or (set(), None)
         firing = [a for a in alerts if a.status == "firing"]
         current = [a for a in firing if a.fingerprint not in muted]
-        ended = [a for a in alerts if a.status == "resolved" and a.fingerprint in told]
+        ended = [
+            a
+            for a in alerts
+            if a.status == "resolved" and a.fingerprint in told and not announcement(a.labels)
+        ]
         send_resolved = lane.integration.send_resolved
         changed = any(a.fingerprint not in told for a in current) or bool(ended and send_resolved)
         repeat = bool(current) and told_at is not None and now - told_at >= route.repeat_interval_s

@@ -35,7 +35,7 @@ class RunFacts:
         if not run_id:
             return None, ()
         selector = f"{{run_id={go_quote(run_id)}}}"
-        step = self._max(f"{STEP}{selector}", t)
+        step = self.step(run_id, t)
         if step is None and labels.get(LAST_STEP_LABEL, "").isdigit():
             step = int(labels[LAST_STEP_LABEL])
         actions = []
@@ -44,6 +44,10 @@ class RunFacts:
             if n:
                 actions.append((one if n == 1 else many).format(n=n))
         return step, tuple(actions)
+
+    def step(self, run_id: str, t: float) -> int | None:
+        """The run's last completed step at ``t`` (None: not known)."""
+        return self._max(f"{STEP}{{run_id={go_quote(run_id)}}}", t)
 
     def _max(self, expr: str, t: float) -> int | None:
         """The largest value over the run's ranks, as an integer (None when absent)."""

@@ -11,6 +11,13 @@ from lossguard.monitor.state import value_text
 
 Status = Literal["firing", "resolved"]
 RUN_LABEL = "run_id"
+ANNOUNCE_LABEL = "announce"
+
+
+def announcement(labels: dict[str, str]) -> bool:
+    """An alert labelled ``announce="once"`` tells of something done (an action, a fault the
+    run healed): receivers hear when it fires, never when it resolves."""
+    return labels.get(ANNOUNCE_LABEL) == "once"
 
 
 @dataclass(frozen=True)

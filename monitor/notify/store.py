@@ -136,32 +136,6 @@ class NotifyStore:
         )
 
     @staticmethod
-    def retell(db: sqlite3.Connection, fingerprint: str, now: float) -> None:
-        """Forget that the lanes were told of ``fingerprint`` in the groups that hold it and
-        were flushed before, and flush those groups now."""
-        groups = [
-            row[0]
-            for row in db.execute(
-                "SELECT group_id FROM notify_group_alerts WHERE fingerprint = ?", (fingerprint,)
-            )
-        ]
-        for group_id in groups:
-            told = db.execute(
-                "SELECT lane, firing FROM notify_log WHERE group_id = ?", (group_id,)
-            ).fetchall()
-            for lane, firing in told:
-                rest = [fp for fp in json.loads(firing) if fp != fingerprint]
-                db.execute(
-                    "UPDATE notify_log SET firing = ? WHERE group_id = ? AND lane = ?",
-                    (json.dumps(rest), group_id, lane),
-                )
-            if told:
-                db.execute(
-                    "UPDATE notify_groups SET next_flush = MIN(next_flush, ?) WHERE group_id = ?",
-                    (now, group_id),
-                )
-
-    @staticmethod
     def due_groups(db: sqlite3.Connection, now: float) -> list[Group]:
         rows = db.execute(
             "SELECT group_id, group_key, route, receiver, group_labels, next_flush"

@@ -77,8 +77,9 @@ class _Evaluator:
         if isinstance(node, Call):
             return self.call(node)
         if isinstance(node, Aggregation):
+            param = None if node.param is None else self.scalar(node.param)
             vector = self.vector(node.expr)
-            return _unique(aggregate(node.op, vector, node.grouping, node.without))
+            return _unique(aggregate(node.op, vector, node.grouping, node.without, param))
         if isinstance(node, Unary):
             operand = self.eval(node.expr)
             if isinstance(operand, float):

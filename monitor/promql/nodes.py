@@ -54,12 +54,13 @@ class Call:
 
 @dataclass(frozen=True)
 class Aggregation:
-    """``op by|without (grouping) (expr)``."""
+    """``op by|without (grouping) ([param,] expr)``; ``param`` (a scalar) for topk and bottomk."""
 
     op: str
     expr: Expr
     grouping: tuple[str, ...] = ()
     without: bool = False
+    param: Expr | None = None
     pos: int = field(default=0, compare=False)
     type = ValueType.VECTOR
 
@@ -111,7 +112,9 @@ def walk(node: Expr) -> Iterator[Expr]:
     children: tuple[Expr, ...] = ()
     if isinstance(node, Binary):
         children = (node.lhs, node.rhs)
-    elif isinstance(node, Unary | Aggregation):
+    elif isinstance(node, Aggregation):
+        children = (node.expr,) if node.param is None else (node.param, node.expr)
+    elif isinstance(node, Unary):
         children = (node.expr,)
     elif isinstance(node, Call):
         children = node.args

@@ -322,14 +322,19 @@ class _Parser:
         grouping = self.grouping()
         args = self.arguments()
         grouping = grouping or self.grouping()
-        if len(args) != 1:
+        wanted = 2 if op in sig.PARAMETER_AGGREGATIONS else 1
+        if len(args) != wanted:
             message = "wrong number of arguments for aggregate expression provided"
-            raise self.error(f"{message}, expected 1, got {len(args)}", token.pos)
-        if args[0].type != ValueType.VECTOR:
+            raise self.error(f"{message}, expected {wanted}, got {len(args)}", token.pos)
+        expr, param = args[-1], (args[0] if wanted == 2 else None)
+        if expr.type != ValueType.VECTOR:
             message = "expected type instant vector in aggregation expression"
-            raise self.error(f"{message}, got {args[0].type.value}", args[0].pos)
+            raise self.error(f"{message}, got {expr.type.value}", expr.pos)
+        if param is not None and param.type != ValueType.SCALAR:
+            message = "expected type scalar in aggregation parameter"
+            raise self.error(f"{message}, got {param.type.value}", param.pos)
         labels, without = grouping or ((), False)
-        return Aggregation(op, args[0], labels, without, token.pos)
+        return Aggregation(op, expr, labels, without, param, token.pos)
 
     def call(self) -> Call:
         token = self.advance()

@@ -28,7 +28,9 @@ FUNCTIONS: dict[str, tuple[tuple[ValueType, ...], ValueType]] = {
 }
 """Supported function -> (argument types, result type)."""
 
-AGGREGATIONS = ("sum", "min", "max", "avg", "count")
+AGGREGATIONS = ("sum", "min", "max", "avg", "count", "topk", "bottomk")
+PARAMETER_AGGREGATIONS = frozenset(("topk", "bottomk"))
+"""Aggregations whose first argument is a scalar parameter (k)."""
 
 UNSUPPORTED_FUNCTIONS = frozenset(
     (
@@ -43,9 +45,7 @@ UNSUPPORTED_FUNCTIONS = frozenset(
         *("histogram_sum", "histogram_fraction"),
     )
 )
-UNSUPPORTED_AGGREGATIONS = frozenset(
-    ("bottomk", "count_values", "group", "quantile", "stddev", "stdvar", "topk")
-)
+UNSUPPORTED_AGGREGATIONS = frozenset(("count_values", "group", "quantile", "stddev", "stdvar"))
 
 SUPPORTS_FUNCTIONS = "the functions " + ", ".join(FUNCTIONS)
 SUPPORTS_AGGREGATIONS = "the aggregations " + ", ".join(AGGREGATIONS)

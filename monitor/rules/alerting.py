@@ -18,7 +18,7 @@ from enum import Enum
 
 from lossguard.monitor.promql import METRIC_NAME, Sample, Value
 from lossguard.monitor.rules.rulefile import AlertingRule, RuleGroup
-from lossguard.monitor.rules.templating import expand
+from lossguard.monitor.rules.templating import TemplateQuery, expand
 
 ALERT_NAME = "alertname"
 
@@ -103,10 +103,12 @@ class RuleAlerts:
         external_labels: Mapping[str, str] | None = None,
         external_url: str = "",
         hold_missing: bool = False,
+        query: TemplateQuery | None = None,
     ) -> list[Transition]:
         """Apply one evaluation's result at ``t``; the alerts' changes of state, in order.
         With ``hold_missing``, alerts absent from the result stay as they are (the source does
-        not yet have the history to say they ended, as after a monitor restart).
+        not yet have the history to say they ended, as after a monitor restart). ``query``
+        runs the templates' ``query`` calls at ``t``.
 
         Raises :class:`EvaluationFailed` (and changes nothing) when the result cannot be turned
         into alerts: two samples with the same labels once the rule's are applied, or more
@@ -114,7 +116,7 @@ class RuleAlerts:
         samples = [Sample((), result)] if isinstance(result, float) else result
         found: dict[str, Alert] = {}
         for sample in samples:
-            alert = self._alert(sample, t, external_labels or {}, external_url)
+            alert = self._alert(sample, t, external_labels or {}, external_url, query)
             if alert.fingerprint in found:
                 raise EvaluationFailed(
                     "vector contains metrics with the same labelset after applying alert labels"
@@ -181,7 +183,12 @@ class RuleAlerts:
         return t - alert.keep_firing_since < self.rule.keep_firing_for_s
 
     def _alert(
-        self, sample: Sample, t: float, external_labels: Mapping[str, str], external_url: str
+        self,
+        sample: Sample,
+        t: float,
+        external_labels: Mapping[str, str],
+        external_url: str,
+        query: TemplateQuery | None,
     ) -> Alert:
         series = dict(sample.labels)
 
@@ -192,6 +199,7 @@ class RuleAlerts:
                 value=sample.value,
                 external_labels=external_labels,
                 external_url=external_url,
+                query=query,
             )
 
         labels = {k: v for k, v in series.items() if k != METRIC_NAME}

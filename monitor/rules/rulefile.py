@@ -26,7 +26,12 @@ from lossguard.monitor.promql import (
     parse,
 )
 from lossguard.monitor.promql.nodes import MatrixSelector, VectorSelector, walk
-from lossguard.monitor.rules.templating import TemplateError, check_template
+from lossguard.monitor.rules.templating import (
+    QueryText,
+    TemplateError,
+    check_template,
+    template_queries,
+)
 
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _GROUP_KEYS = {"name", "interval", "limit", "rules"}
@@ -40,7 +45,9 @@ class RuleError(ValueError):
 @dataclass(frozen=True)
 class AlertingRule:
     """One ``alert:`` rule, parsed and checked; ``query`` is None for an expression outside the
-    embedded evaluator's subset, loaded for a Prometheus source."""
+    embedded evaluator's subset, loaded for a Prometheus source. ``template_queries``: what its
+    labels' and annotations' ``query`` calls run, parsed, None for one known only when it runs
+    (or outside the subset, for a Prometheus source)."""
 
     name: str
     expr: str
@@ -49,6 +56,7 @@ class AlertingRule:
     keep_firing_for_s: float = 0.0
     labels: tuple[tuple[str, str], ...] = ()
     annotations: tuple[tuple[str, str], ...] = ()
+    template_queries: tuple[Expr | None, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -124,18 +132,24 @@ def longest_range_s(groups: Iterable[RuleGroup]) -> float:
 
 
 def reach_s(rule: AlertingRule) -> float:
-    """The history a rule's ranges and offsets need, beyond the latest samples."""
-    return _reach_ms(rule.query) / 1000 if rule.query is not None else 0.0
+    """The history a rule's ranges and offsets need, beyond the latest samples (its templates'
+    queries included)."""
+    queries = [q for q in (rule.query, *rule.template_queries) if q is not None]
+    return max((_reach_ms(q) for q in queries), default=0) / 1000
 
 
 def metric_names(groups: Iterable[RuleGroup]) -> frozenset[str] | None:
-    """The metric names the rules select, or None when a selector matches names by regex."""
+    """The metric names the rules and their templates' queries select, or None when a selector
+    matches names by regex or a template's query is known only when it runs."""
+    rules = [rule for group in groups for rule in group.rules]
+    if any(q is None for rule in rules for q in rule.template_queries):
+        return None
     selectors = [
         node
-        for group in groups
-        for rule in group.rules
-        if rule.query is not None
-        for node in walk(rule.query)
+        for rule in rules
+        for query in (rule.query, *rule.template_queries)
+        if query is not None
+        for node in walk(query)
         if isinstance(node, VectorSelector)
     ]
     if any(s.name is None for s in selectors):
@@ -204,6 +218,7 @@ def _rule(node: yaml.Node, file: str, group: str, index: int, full_promql: bool)
     except PromQLError as exc:
         raise RuleError(f"{file}:{_line(expr_node)}: {where}: expr: {exc}") from None
     for_node, keep_node = fields.get("for"), fields.get("keep_firing_for")
+    queries: list[Expr | None] = []
     return AlertingRule(
         name=name,
         expr=expr,
@@ -212,14 +227,26 @@ def _rule(node: yaml.Node, file: str, group: str, index: int, full_promql: bool)
         keep_firing_for_s=(
             _duration(keep_node, file, f"{where}: keep_firing_for") if keep_node else 0.0
         ),
-        labels=_templates(fields.get("labels"), file, f"{where}: labels", METRIC_NAME),
-        annotations=_templates(fields.get("annotations"), file, f"{where}: annotations"),
+        labels=_templates(
+            fields.get("labels"), file, f"{where}: labels", queries, full_promql, METRIC_NAME
+        ),
+        annotations=_templates(
+            fields.get("annotations"), file, f"{where}: annotations", queries, full_promql
+        ),
+        template_queries=tuple(queries),
     )
 
 
 def _templates(
-    node: yaml.Node | None, file: str, where: str, reserved: str | None = None
+    node: yaml.Node | None,
+    file: str,
+    where: str,
+    queries: list[Expr | None],
+    full_promql: bool,
+    reserved: str | None = None,
 ) -> tuple[tuple[str, str], ...]:
+    """The checked templates of ``node``; what their ``query`` calls run is added to
+    ``queries``."""
     if node is None:
         return ()
     pairs: list[tuple[str, str]] = []
@@ -231,8 +258,30 @@ def _templates(
             check_template(text)
         except TemplateError as exc:
             raise RuleError(f"{file}:{_line(value)}: {where}: {key}: {exc}") from None
+        for found in template_queries(text):
+            try:
+                queries.append(_template_query(found, full_promql))
+            except PromQLError as exc:
+                assert found is not None
+                raise RuleError(
+                    f"{file}:{_line(value)}: {where}: {key}: query {found.text!r}: {exc}"
+                ) from None
         pairs.append((key, text))
     return tuple(sorted(pairs))
+
+
+def _template_query(found: QueryText | None, full_promql: bool) -> Expr | None:
+    """A template's query, parsed (a ``printf`` with its placeholders): None when it is known
+    only as it runs or, for a Prometheus source, outside the subset. Raises PromQLError for
+    one that is not valid PromQL, or outside the subset for the embedded evaluator."""
+    if found is None:
+        return None
+    try:
+        return parse(found.text)
+    except UnsupportedError:
+        if full_promql:
+            return None
+        raise
 
 
 def _mapping(

@@ -19,12 +19,32 @@ from lossguard.monitor.rules.alerting import (
     rule_keys,
 )
 from lossguard.monitor.rules.rulefile import AlertingRule, RuleGroup, reach_s
+from lossguard.monitor.rules.templating import QueryError, QuerySample, TemplateQuery
 from lossguard.monitor.sources import SourceError
 
 log = logging.getLogger("lossguard.monitor")
 
 Query = Callable[[AlertingRule, float], Value]
 """Evaluates a rule's expression at a time (the embedded evaluator, or a Prometheus server)."""
+
+ExprQuery = Callable[[str, float], Value]
+"""Evaluates PromQL text at a time: what templates' ``query`` calls run on."""
+
+
+def template_query(run: ExprQuery, t: float) -> TemplateQuery:
+    """Templates' ``query`` at ``t``, as Prometheus's EngineQueryFunc: a scalar is one sample
+    without labels; a failed query is a :class:`QueryError`."""
+
+    def query(expr: str) -> list[QuerySample]:
+        try:
+            value = run(expr, t)
+        except (PromQLError, SourceError) as exc:
+            raise QueryError(str(exc)) from None
+        if isinstance(value, float):
+            return [QuerySample({}, value)]
+        return [QuerySample(dict(s.labels), s.value) for s in value]
+
+    return query
 
 
 class RuleSet:
@@ -54,11 +74,14 @@ class RuleSet:
         groups: set[str] | None = None,
         observe: Callable[[float], None] | None = None,
         history_start: float = -math.inf,
+        expr_query: ExprQuery | None = None,
     ) -> list[Transition]:
         """Evaluate every rule (of ``groups`` when given) at ``t``; all transitions, in rule
         order. A rule that fails keeps its alerts and records why (``last_error``). A rule
-        whose ranges reach back before ``history_start`` resolves none of its alerts."""
+        whose ranges reach back before ``history_start`` resolves none of its alerts.
+        ``expr_query`` answers the templates' ``query`` calls."""
         transitions: list[Transition] = []
+        templates = None if expr_query is None else template_query(expr_query, t)
         for entry in self.rules:
             if groups is not None and entry.group.key not in groups:
                 continue
@@ -72,6 +95,7 @@ class RuleSet:
                         external_labels=self.external_labels,
                         external_url=self.external_url,
                         hold_missing=t - reach_s(entry.rule) < history_start,
+                        query=templates,
                     )
                 )
             except (PromQLError, SourceError, EvaluationFailed) as exc:

@@ -121,13 +121,16 @@ def _run(test: _TestGroup, groups: list[Any], eval_ms: int) -> list[str]:
     def query(rule: AlertingRule, t: float) -> Any:
         return evaluate(rule.query or rule.expr, storage, t)
 
+    def expr_query(expr: str, t: float) -> Any:
+        return evaluate(expr, storage, t)
+
     errors: list[str] = []
     prefix = f"    name: {test.name},\n" if test.name else ""
     checks = sorted(test.alert_tests, key=lambda case: case[0])
     last_ms = max([t for t, _, _ in checks] + [t for _, t, _ in test.expr_tests] + [0])
     ts = 0
     while ts <= last_ms:
-        ruleset.evaluate(query, ts / 1000)
+        ruleset.evaluate(query, ts / 1000, expr_query=expr_query)
         failures = [e for e in ruleset.rules if e.last_error is not None]
         if failures:
             return errors + [

@@ -9,12 +9,14 @@ import requests
 
 from lossguard.common.config import ConfigError
 from lossguard.monitor.notify.config import (
+    AlertmanagerConfig,
     LogConfig,
     NotificationsConfig,
     PagerDutyConfig,
     SlackConfig,
     WebhookConfig,
 )
+from lossguard.monitor.notify.integrations.alertmanager import AlertmanagerIntegration
 from lossguard.monitor.notify.integrations.http import Outcome
 from lossguard.monitor.notify.integrations.log import LogIntegration
 from lossguard.monitor.notify.integrations.pagerduty import PagerDutyIntegration
@@ -25,7 +27,7 @@ from lossguard.monitor.notify.model import Notification, lane_name
 
 
 class Integration(Protocol):
-    kind: str  # "slack" | "pagerduty" | "webhook" | "log"
+    kind: str  # "slack" | "pagerduty" | "webhook" | "log" | "alertmanager"
     send_resolved: bool
     pace_s: float  # least seconds between two requests to the same destination
     per_alert: bool  # one notification (outbox row) per alert
@@ -76,4 +78,12 @@ def _build(config: object, secrets: dict[str, str], links: Links) -> Integration
         return WebhookIntegration(url, config.send_resolved, config.max_alerts, links.monitor_url)
     if isinstance(config, LogConfig):
         return LogIntegration(config.send_resolved)
+    if isinstance(config, AlertmanagerConfig):
+        return AlertmanagerIntegration(
+            config.url,
+            config.send_resolved,
+            username=config.username,
+            password=None if config.password_env is None else secrets[config.password_env],
+            generator_url=links.monitor_url,
+        )
     raise TypeError(f"no integration for {type(config).__name__}")

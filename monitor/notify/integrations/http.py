@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import email.utils
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
@@ -41,12 +41,13 @@ class HttpIntegration:
     kind: str
     pace_s: float  # least seconds between two requests to the same destination
     per_alert: bool  # one notification (outbox row) per alert
+    auth: tuple[str, str] | None = None  # basic auth (user, password: a secret)
 
     def __init__(self, url: str, send_resolved: bool) -> None:
         self.url = url
         self.send_resolved = send_resolved
 
-    def body(self, notification: Notification, notification_id: int) -> dict[str, Any]:
+    def body(self, notification: Notification, notification_id: int) -> Any:
         """What to send (ValueError: this notification cannot be sent, ever)."""
         raise NotImplementedError
 
@@ -62,7 +63,8 @@ class HttpIntegration:
         query (where webhook tokens live)."""
         parts = urlsplit(self.url)
         pieces = [p for p in parts.path.split("/") if len(p) >= SECRET_PIECE]
-        return [self.url, *pieces, *([parts.query] if parts.query else [])]
+        password = [] if self.auth is None else [self.auth[1]]
+        return [self.url, *pieces, *([parts.query] if parts.query else []), *password]
 
     def deliver(
         self,
@@ -75,7 +77,7 @@ class HttpIntegration:
             body = self.body(notification, notification_id)
         except ValueError as exc:
             return Outcome("dead", str(exc))
-        outcome = post_json(session, self.url, body, timeout_s, accept=self.accept)
+        outcome = post_json(session, self.url, body, timeout_s, accept=self.accept, auth=self.auth)
         return replace(outcome, detail=redact(outcome.detail, self.secrets()))
 
 
@@ -90,15 +92,17 @@ def redact(text: str, secrets: list[str]) -> str:
 def post_json(
     session: requests.Session,
     url: str,
-    body: Mapping[str, Any],
+    body: Any,
     timeout_s: float,
     accept: Callable[[requests.Response], Outcome | None] | None = None,
+    auth: tuple[str, str] | None = None,
 ) -> Outcome:
-    """POST ``body`` as JSON. 2xx is delivered unless ``accept`` says otherwise; 408, 425, 429
-    and 5xx are retried (429 after its Retry-After); other 4xx are dead; so are redirects.
-    Timeouts, refused and dropped connections are retried."""
+    """POST ``body`` as JSON (with basic ``auth`` when given). 2xx is delivered unless
+    ``accept`` says otherwise; 408, 425, 429 and 5xx are retried (429 after its Retry-After);
+    other 4xx are dead; so are redirects. Timeouts, refused and dropped connections are
+    retried."""
     try:
-        reply = session.post(url, json=body, timeout=timeout_s, allow_redirects=False)
+        reply = session.post(url, json=body, timeout=timeout_s, allow_redirects=False, auth=auth)
     except requests.Timeout:
         return Outcome("retry", f"no reply within {timeout_s:g}s")
     except requests.ConnectionError as exc:

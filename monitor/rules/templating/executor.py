@@ -6,16 +6,25 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 
 from lossguard.monitor.rules.templating import nodes as tree
-from lossguard.monitor.rules.templating.functions import FUNCTIONS, truth
+from lossguard.monitor.rules.templating.functions import FUNCTIONS, QUERY, truth
 from lossguard.monitor.rules.templating.gofmt import go_print, go_type
-from lossguard.monitor.rules.templating.model import ExecError, GoValue, TemplateData, TemplateError
+from lossguard.monitor.rules.templating.model import (
+    ExecError,
+    GoValue,
+    QueryError,
+    QuerySample,
+    TemplateData,
+    TemplateError,
+    TemplateQuery,
+)
 from lossguard.monitor.rules.templating.parser import parse
 
 
 class _Executor:
-    def __init__(self, data: TemplateData) -> None:
+    def __init__(self, data: TemplateData, query: TemplateQuery | None) -> None:
         self.variables: list[tuple[str, GoValue]] = [("$", data)]
         self.out: list[str] = []
+        self.query = query
 
     def run(self, nodes: Sequence[tree.Node], dot: GoValue) -> None:
         for node in nodes:
@@ -39,8 +48,11 @@ class _Executor:
                 self.run(node.otherwise, dot)
             return
         value = self.pipe(node.pipe, dot, bind=False)
-        if isinstance(value, dict) or value is None:
-            entries: list[tuple[GoValue, GoValue]] = sorted((value or {}).items())
+        entries: list[tuple[GoValue, GoValue]]
+        if isinstance(value, list):
+            entries = list(enumerate(value))
+        elif isinstance(value, dict) or value is None:
+            entries = sorted((value or {}).items())
         elif isinstance(value, int) and not isinstance(value, bool):
             raise ExecError(f"range can't iterate over {value}")
         else:
@@ -92,11 +104,26 @@ class _Executor:
                 if truth(value) != (name == "and"):
                     return value
             return value
+        if name == QUERY:
+            return self.run_query(thunks)
         function, count, variadic = FUNCTIONS[name]
         if len(thunks) < count or (not variadic and len(thunks) != count):
             want = f"at least {count}" if variadic else str(count)
             raise ExecError(f"wrong number of args for {name}: want {want} got {len(thunks)}")
         return function(*(thunk() for thunk in thunks))
+
+    def run_query(self, thunks: Sequence[Callable[[], GoValue]]) -> list[QuerySample]:
+        if len(thunks) != 1:
+            raise ExecError(f"wrong number of args for query: want 1 got {len(thunks)}")
+        expr = thunks[0]()
+        if not isinstance(expr, str):
+            raise ExecError(f"wrong type for value; expected string; got {go_type(expr)}")
+        if self.query is None:
+            raise ExecError("error calling query: no query engine to run it here")
+        try:
+            return self.query(expr)
+        except QueryError as exc:
+            raise ExecError(f"error calling query: {exc}") from None
 
     def operand(self, operand: tree.Operand, dot: GoValue) -> GoValue:
         if isinstance(operand, tree.Const):
@@ -128,6 +155,9 @@ def _describe(operand: tree.Operand) -> str:
 def _field(value: GoValue, name: str) -> GoValue:
     if isinstance(value, dict):
         return value.get(name, "")
+    if isinstance(value, QuerySample) and name in ("Labels", "Value"):
+        sample_field: GoValue = getattr(value, name)
+        return sample_field
     if isinstance(value, TemplateData) and name in (
         "Labels",
         "ExternalLabels",
@@ -148,12 +178,14 @@ def expand(
     value: float,
     external_labels: Mapping[str, str] | None = None,
     external_url: str = "",
+    query: TemplateQuery | None = None,
 ) -> str:
-    """Expand an alert template as Prometheus does; errors become ``<error expanding ...>``."""
+    """Expand an alert template as Prometheus does; errors become ``<error expanding ...>``.
+    ``query`` answers the template's ``query`` calls (at the evaluation's time)."""
     try:
         nodes = parse(text)
         data = TemplateData(dict(labels), dict(external_labels or {}), external_url, float(value))
-        executor = _Executor(data)
+        executor = _Executor(data, query)
         executor.run(nodes, data)
     except (TemplateError, ExecError, ValueError, OverflowError) as exc:
         return f"<error expanding template: {exc}>"

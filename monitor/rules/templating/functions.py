@@ -1,5 +1,7 @@
 """Prometheus's template function map (template/template.go), each function registered under its
-template name: printf, humanize*, title, match, reReplaceAll, index, len, comparisons, not."""
+template name: printf, humanize*, title, match, reReplaceAll, first, label, value, strvalue,
+sortByLabel, index, len, comparisons, not. ``query`` needs the rules' source: the executor
+runs it (:data:`QUERY`)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,17 @@ from typing import TypeVar
 
 from lossguard.monitor.promql.re2 import compile_re2
 from lossguard.monitor.rules.templating.gofmt import format_float_g, go_type, special_float, sprintf
-from lossguard.monitor.rules.templating.model import ExecError, GoValue
+from lossguard.monitor.rules.templating.model import ExecError, GoValue, QuerySample
 
 _Function = Callable[..., GoValue]
 _RegisteredFunction = TypeVar("_RegisteredFunction", bound=_Function)
 
 FUNCTIONS: dict[str, tuple[_Function, int, bool]] = {}
 """Template function name -> (function, number of parameters, variadic)."""
+
+QUERY = "query"
+"""``query "expr"``: the instant query's samples at the evaluation's time (run by the executor,
+which has the rules' source)."""
 
 
 def _template_function(
@@ -53,6 +59,53 @@ def _want_str(value: GoValue) -> str:
     if not isinstance(value, str):
         raise ExecError(f"wrong type for value; expected string; got {go_type(value)}")
     return value
+
+
+def _want_sample(value: GoValue) -> QuerySample:
+    if value is None:
+        raise ExecError("runtime error: invalid memory address or nil pointer dereference")
+    if not isinstance(value, QuerySample):
+        raise ExecError(f"wrong type for value; expected *template.sample; got {go_type(value)}")
+    return value
+
+
+def _want_result(value: GoValue) -> list[QuerySample]:
+    if not isinstance(value, list):
+        got = go_type(value)
+        raise ExecError(f"wrong type for value; expected template.queryResult; got {got}")
+    return value
+
+
+@_template_function("first", 1)
+def _first(result: GoValue) -> QuerySample:
+    samples = _want_result(result)
+    if not samples:
+        raise ExecError("error calling first: first() called on vector with no elements")
+    return samples[0]
+
+
+@_template_function("label", 2)
+def _label(name: GoValue, sample: GoValue) -> str:
+    label = _want_str(name)
+    return _want_sample(sample).Labels.get(label, "")
+
+
+@_template_function("value", 1)
+def _value(sample: GoValue) -> float:
+    return _want_sample(sample).Value
+
+
+@_template_function("strvalue", 1)
+def _strvalue(sample: GoValue) -> str:
+    return _want_sample(sample).Labels.get("__value__", "")
+
+
+@_template_function("sortByLabel", 2)
+def _sort_by_label(name: GoValue, result: GoValue) -> list[QuerySample]:
+    """Go's stable sort by the label's value, in place: the result shares the samples' order."""
+    label, samples = _want_str(name), _want_result(result)
+    samples.sort(key=lambda sample: sample.Labels.get(label, "").encode())
+    return samples
 
 
 @_template_function("printf", 1, variadic=True)
@@ -244,6 +297,10 @@ def _index(item: GoValue, *keys: GoValue) -> GoValue:
     for key in keys:
         if isinstance(item, dict) and isinstance(key, str):
             item = item.get(key, "")
+        elif isinstance(item, list) and isinstance(key, int) and not isinstance(key, bool):
+            if not 0 <= key < len(item):
+                raise ExecError(f"error calling index: index out of range: {key}")
+            item = item[key]
         elif isinstance(item, str) and isinstance(key, int) and not isinstance(key, bool):
             data = item.encode()
             if not 0 <= key < len(data):
@@ -260,7 +317,7 @@ def _index(item: GoValue, *keys: GoValue) -> GoValue:
 def _len(item: GoValue) -> int:
     if isinstance(item, str):
         return len(item.encode())
-    if isinstance(item, dict):
+    if isinstance(item, dict | list):
         return len(item)
     raise ExecError(f"error calling len: len of type {go_type(item)}")
 
@@ -324,7 +381,7 @@ def _ge(a: GoValue, b: GoValue) -> bool:
 
 def truth(value: GoValue) -> bool:
     """Whether ``if``, ``with``, ``and``, ``or`` and ``not`` take ``value`` as true."""
-    if isinstance(value, (str, dict)):
+    if isinstance(value, (str, dict, list)):
         return len(value) > 0
     if isinstance(value, float) and math.isnan(value):
         return True

@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from decimal import Decimal
 
-from lossguard.monitor.rules.templating.model import GoValue, TemplateData
+from lossguard.monitor.rules.templating.model import GoValue, QuerySample, TemplateData
 
 
 def go_type(value: GoValue) -> str:
@@ -21,6 +21,10 @@ def go_type(value: GoValue) -> str:
         return "string"
     if isinstance(value, dict):
         return "map[string]string"
+    if isinstance(value, QuerySample):
+        return "*template.sample"
+    if isinstance(value, list):
+        return "template.queryResult"
     return "<nil>" if value is None else "template.alertData"
 
 
@@ -67,6 +71,10 @@ def go_print(value: GoValue) -> str:
     if isinstance(value, TemplateData):
         fields = (value.Labels, value.ExternalLabels, value.ExternalURL, value.Value)
         return "{" + " ".join(go_print(field) for field in fields) + "}"
+    if isinstance(value, QuerySample):
+        return f"&{{{go_print(value.Labels)} {go_print(value.Value)}}}"
+    if isinstance(value, list):  # Go prints the pointers' addresses; the monitor, the samples
+        return "[" + " ".join(go_print(sample) for sample in value) + "]"
     return str(value)
 
 
@@ -138,7 +146,7 @@ def _format_one(flags: str, width: str, precision: str | None, verb: str, arg: G
         if verb in "xX":
             text = arg.encode().hex()
             return _pad(flags, width, text.upper() if verb == "X" else text)
-    elif isinstance(arg, dict | TemplateData) and verb in "vs":
+    elif isinstance(arg, dict | TemplateData | QuerySample | list) and verb in "vs":
         return _pad(flags, width, go_print(arg))
     if arg is None:
         return f"%!{verb}(<nil>)"

@@ -3,6 +3,7 @@ every alert template, the data a template sees, Go's value types and the errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PREFIX = (
@@ -19,6 +20,10 @@ class ExecError(Exception):
     """An error while executing a parsed template (Prometheus renders it into the text)."""
 
 
+class QueryError(Exception):
+    """A template's ``query`` that the rules' source could not answer (one line)."""
+
+
 @dataclass(frozen=True)
 class TemplateData:
     """The dot of an alert template: Prometheus's ``AlertTemplateData``."""
@@ -29,4 +34,18 @@ class TemplateData:
     Value: float
 
 
-GoValue = str | int | float | bool | dict[str, str] | TemplateData | None
+@dataclass
+class QuerySample:
+    """One sample of a ``query`` result: Prometheus's template ``sample`` (``*sample`` in Go),
+    its labels (the metric name included) and value."""
+
+    Labels: dict[str, str]
+    Value: float
+
+
+GoValue = (
+    str | int | float | bool | dict[str, str] | TemplateData | QuerySample | list[QuerySample]
+) | None
+
+TemplateQuery = Callable[[str], list[QuerySample]]
+"""Runs a template's ``query`` at the evaluation's time (raises :class:`QueryError`)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from lossguard.monitor.rules.templating.functions import FUNCTIONS
+from lossguard.monitor.rules.templating.functions import FUNCTIONS, QUERY
 from lossguard.monitor.rules.templating.lexer import (
     ActionItem,
     Token,
@@ -29,10 +29,9 @@ from lossguard.monitor.rules.templating.nodes import (
 )
 
 _UNSUPPORTED = {
-    "query", "first", "label", "value", "strvalue", "args", "safeHtml", "graphLink",
-    "tableLink", "sortByLabel", "pathPrefix", "externalURL", "toTime", "parseDuration",
-    "stripDomain", "urlquery", "html", "js", "print", "println", "call", "slice",
-    "define", "template", "block", "break", "continue", "tmpl",
+    "args", "safeHtml", "graphLink", "tableLink", "pathPrefix", "externalURL", "toTime",
+    "parseDuration", "stripDomain", "urlquery", "html", "js", "print", "println", "call",
+    "slice", "define", "template", "block", "break", "continue", "tmpl",
 }  # fmt: skip
 
 
@@ -163,7 +162,7 @@ class _Parser:
                     token.pos,
                     f'function "{token.text}" is not supported by the monitor',
                 )
-            if token.text not in FUNCTIONS and token.text not in ("and", "or"):
+            if token.text not in FUNCTIONS and token.text not in ("and", "or", QUERY):
                 raise syntax_error(self.text, token.pos, f'function "{token.text}" not defined')
             return Func(token.text), i + 1
         if token.kind == "const":
