@@ -8,7 +8,7 @@ PagerDuty stand-ins, then one table row: what was expected, what happened, wheth
 At most ``--jobs`` drills train at once; drills that are idle by design (slow steps, a hang,
 a crash loop's backoff) and drills waiting for the monitor's last notifications run beside
 them. The shipped group timers make a drill with an alert take minutes (group_interval 5m
-after its last change; LossSpike keeps firing 10m); the slow divergence takes about
+after its last change); the slow divergence takes about
 (max_attempts + 1) x (300 x S + 60) seconds. Results are in docs/benchmarks.md."""
 
 from __future__ import annotations

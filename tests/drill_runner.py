@@ -54,7 +54,7 @@ SETTLE_POLL_S = 2.0
 MONITOR_UP_S = 60.0
 END_TIMEOUT_S = 120.0
 API_TIMEOUT_S = 10.0
-SETTLE_LIMIT_S = 1800.0  # LossSpike's keep_firing_for (10m) and a group_interval (5m), and more
+SETTLE_LIMIT_S = 1800.0  # a group_interval (5m) after an alert's last change, and more
 FIRST_SEED = 1337  # configs/demo.yaml's
 # the demo's model scaled down as tests/test_demo.py does, evaluated on 8 batches
 SCALED_DOWN = (

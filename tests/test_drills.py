@@ -3,8 +3,8 @@ fault-free run, one NaN and lr x1000 at 300 steps, under the shipped monitor con
 drill's outcome must be the one the catalog expects.
 
 It waits for the monitor's last notifications at most SETTLE_S after a drill's run ends (the
-shipped group_wait and 5 s): a resolve the monitor would send later (group_interval 5m, a
-LossSpike that keeps firing 10m) is not seen here; the benchmark waits for it. lr x1000 alone
+shipped group_wait and 5 s): a resolve the monitor would send later (group_interval 5m) is
+not seen here; the benchmark waits for it. lr x1000 alone
 takes about 100 s (LossSpikeNotRecovering: 300 steps, then its `for: 1m`)."""
 
 from __future__ import annotations
