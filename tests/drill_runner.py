@@ -31,6 +31,7 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from lossguard.agent.config import SpikeConfig
 from lossguard.common.config import seconds
 from lossguard.common.control.client import ControlClient, ControlError, ControlUnavailable
 from lossguard.common.rundir.events import CRASH, FAULT
@@ -60,6 +61,9 @@ FIRST_SEED = 1337  # configs/demo.yaml's
 SCALED_DOWN = (
     "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64",
     "train.batch_size=8", "train.eval_batches=8", "data.max_bytes=400000",
+    # the agent's shipped spike threshold, not the demo's 25 std (a demo-only setting under
+    # which a noisy divergence joins the detector's window and ends its own episode)
+    f"telemetry.spikes.zscore={SpikeConfig().zscore}",
 )  # fmt: skip
 ANNOUNCE_LABEL = "announce"
 EXAMPLE = re.compile(r"^(?P<indent>\s*)# (?P<body>(?:- name:|routes:).*)$")
