@@ -74,8 +74,8 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--steps",
         type=int,
         default=300,
-        help="the run is stopped at its first evaluation from this step once it has been "
-        "rolled back; the fault comes at a third of it (default 300)",
+        help="the run is stopped once it has been rolled back and evaluated at or past this "
+        "step; the fault comes at a third of it (default 300)",
     )
     demo.add_argument(
         "--fault",

@@ -129,7 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--keep", type=Path, help="keep the drills' folders here")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
+    parser.add_argument("--list", action="store_true", help="list the drills and exit")
     args = parser.parse_args(argv)
+    if args.list:
+        for drill in CATALOG.values():
+            print(f"{drill.name}: {drill.title}")
+            print(f"    {drill.expected.kind}: {drill.expected}; stops when {drill.stop}")
+        return 0
     try:
         drills = select(args.drills.split(",") if args.drills else None)
     except KeyError as exc:

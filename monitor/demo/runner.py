@@ -186,8 +186,9 @@ class Demo:
             "notifications as shipped (configs/monitor.yml, its routes uncommented): critical "
             "alerts to PagerDuty and Slack, warnings and announcements (what the monitor did) "
             f"to Slack, the rest to the monitor's log; group_wait {self.group_wait}",
-            f"the demo stops the run at its first evaluation from step {self.scenario.steps} "
-            "after it has been rolled back",
+            f"the demo stops the run once it sees an evaluation at or past step "
+            f"{self.scenario.steps} after the rollback (the run may take a few more steps "
+            "before the stop arrives)",
         ]
         self.view.tell([Happening(time.time(), "demo", line) for line in lines], 0.0)
 

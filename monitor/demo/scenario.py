@@ -45,8 +45,8 @@ MIN_STEPS: dict[Fault, int] = {"lr": 120, "nan": 30}
 
 @dataclass(frozen=True)
 class Scenario:
-    """``steps``: the step the recovered run is stopped at (at its first evaluation from
-    there). The fault comes at a third of it; checkpoints every 2/5 of that, so the last good
+    """``steps``: the demo stops the recovered run once it sees an evaluation at or past
+    this step. The fault comes at a third of it; checkpoints every 2/5 of that, so the last good
     checkpoint lies before the fault."""
 
     steps: int = 300
