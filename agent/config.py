@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from lossguard.common.config import Section, field_error, read_config_file, seconds, validate
-from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
+from lossguard.common.control.bearer import DEFAULT_TOKEN_ENV, token_from_env
 from lossguard.common.sizes import parse_budget
 
 MIN_TIMEOUT_S = 10.0
@@ -318,8 +317,15 @@ class ControlConfig(Section):
         pattern=r"^[^:\s]+:\d{1,5}$",
         description="Also serve TCP on HOST:PORT (port 0: any free); needs the token.",
     )
+    advertise: str | None = Field(
+        default=None,
+        pattern=r"^[^:\s]+:\d{1,5}$",
+        description="The TCP address peers on other hosts dial (exported on "
+        "lossguard_agent_info); default: the tcp address, a wildcard host as the host name "
+        "(on Kubernetes: the pod IP, $(POD_IP):9420).",
+    )
     token_env: str = Field(
-        default="LOSSGUARD_CONTROL_TOKEN",
+        default=DEFAULT_TOKEN_ENV,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Environment variable that holds the TCP bearer token.",
     )
@@ -328,18 +334,16 @@ class ControlConfig(Section):
     def _tcp_needs_token(self) -> ControlConfig:
         if self.tcp is not None and int(self.tcp.rpartition(":")[2]) > 65535:
             raise field_error("tcp", "port must be <= 65535")
+        if self.advertise is not None:
+            if self.tcp is None:
+                raise field_error("advertise", "needs control.tcp: there is no TCP to advertise")
+            if not 0 < int(self.advertise.rpartition(":")[2]) <= 65535:
+                raise field_error("advertise", "port must be 1 to 65535")
         if self.tcp is not None:
-            token = os.environ.get(self.token_env, "")
-            if not token:
-                raise field_error(
-                    "tcp", f"needs a token in the environment variable {self.token_env}"
-                )
-            if len(token) < MIN_TOKEN_LENGTH:
-                raise field_error(
-                    "tcp",
-                    f"the token in {self.token_env} has {len(token)} characters, fewer than "
-                    f"{MIN_TOKEN_LENGTH}: make one with openssl rand -hex 32",
-                )
+            try:
+                token_from_env(self.token_env)
+            except ValueError as exc:
+                raise field_error("tcp", str(exc)) from None
         return self
 
 

@@ -37,7 +37,6 @@ from lossguard.agent.config import Config
 from lossguard.agent.control.commands import CommandRunner
 from lossguard.agent.distributed import control_group, rank_and_world
 from lossguard.agent.dtensors import full_value
-from lossguard.agent.heartbeat import Heartbeat
 from lossguard.agent.recovery import (
     PROGRESS_STATE,
     OnSaved,
@@ -146,7 +145,6 @@ class Guard:
         self.path = Path(run_dir)
         self.run_id = self.config.run.id or self.path.name
         self.run_dir: RunDirectory | None = None
-        self.heartbeat: Heartbeat | None = None
         self.checkpoints: CheckpointStore | None = None
         self.control: ControlServer | None = None
         self.sinks: list[Sink] = []
@@ -205,7 +203,7 @@ class Guard:
                 event=self.event,
                 progress=(max_steps, self.step) if progress else None,
             )
-            self.control, self.checkpoints, self.sinks, self.heartbeat = opened
+            self.control, self.checkpoints, self.sinks = opened
         self._due = Due(self.config, self._group)
         self.recovery = start_recovery(
             self.config,
@@ -589,8 +587,6 @@ class Guard:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
-        if self.heartbeat is not None:
-            self.heartbeat.close()
         if self.run_dir is not None:
             self.event(CLOSE, stop_requested=self.stop_requested)
             self.run_dir.mark_finished("failed" if failed else self.outcome)

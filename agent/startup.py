@@ -1,7 +1,7 @@
 """Starting a Guard's run: which checkpoint it resumes from (or none), the refusal to start
 afresh over checkpoints or the move of the previous run aside (``overwrite``); on rank 0, the
-run directory, the control server, the sinks, the checkpoint store, ``agent.json`` and the
-heartbeat; on every rank, the recovery of the run's checkpoint format (``torch`` payloads, or
+run directory, the control server, the sinks, the checkpoint store and ``agent.json``; on
+every rank, the recovery of the run's checkpoint format (``torch`` payloads, or
 ``dcp`` for a sharded model) with its in-memory snapshots."""
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from lossguard.agent.config import Config
 from lossguard.agent.control.serve import serve_control
 from lossguard.agent.distributed import broadcast_objects
 from lossguard.agent.dtensors import is_sharded
-from lossguard.agent.heartbeat import Heartbeat
 from lossguard.agent.recovery import DETECTOR_STATE, Events, Recovery, Stateful, TrainProgress
 from lossguard.agent.start_plan import StartPlan, checkpoints_to_start_over
 from lossguard.agent.telemetry.collector import Telemetry
 from lossguard.agent.telemetry.hardware import device_description
 from lossguard.agent.telemetry.progress import make_progress
 from lossguard.agent.telemetry.sinks import DisplaySink, MetricsLogSink, Sink, WandbSink
+from lossguard.common.control.address import advertised_address
 from lossguard.common.control.protocol import ErrorCode
 from lossguard.common.control.server import ControlServer, answered_before, socket_is_live
 from lossguard.common.rundir.checkpoints import CheckpointMeta
@@ -82,7 +82,6 @@ class OpenedRun(NamedTuple):
     control: ControlServer | None
     checkpoints: CheckpointStore
     sinks: list[Sink]
-    heartbeat: Heartbeat
 
 
 def start_telemetry(
@@ -142,8 +141,8 @@ def open_run(
     event: Events,
     progress: tuple[int | None, int] | None,
 ) -> OpenedRun:
-    """Rank 0, in the run directory just opened: the control server, the sinks, the records,
-    ``agent.json`` and the heartbeat. ``event`` audits rejected commands; ``progress``:
+    """Rank 0, in the run directory just opened: the control server, the sinks, the records
+    and ``agent.json``. ``event`` audits rejected commands; ``progress``:
     (max_steps, step) for the progress display; None: no display."""
     path = run_dir.path
     continuing = (path / CONFIG_FILE).exists()
@@ -166,6 +165,11 @@ def open_run(
         answered=answered_before(run_dir.read_events()),
         on_refused=refused,
     )
+    if telemetry is not None:
+        tcp = control.tcp_address if control is not None else None
+        telemetry.announce(
+            None if tcp is None else advertised_address(tcp, config.control.advertise)
+        )
     sinks: list[Sink] = [MetricsLogSink(run_dir.metrics)]
     if config.wandb.enabled:
         from lossguard.agent.telemetry.wandb_logger import WandbLogger
@@ -195,8 +199,7 @@ def open_run(
     )
     if progress is not None:
         sinks.append(DisplaySink(make_progress(*progress)))
-    heartbeat = Heartbeat(path, dir_mode=run_dir.dir_mode)  # from agent.json on: a remote sign
-    return OpenedRun(control, checkpoints, sinks, heartbeat)
+    return OpenedRun(control, checkpoints, sinks)
 
 
 def start_recovery(

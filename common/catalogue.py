@@ -29,10 +29,23 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "What is running (value 1).",
         ("model", "precision", "device", "world_size", "version", "git_commit"),
     ),
+    "agent_info": (
+        "gauge",
+        "Where this rank runs and how a monitor on another host reaches its run (value 1): "
+        "host name, node rank, rank 0's advertised TCP control address and its supervisor's "
+        "(empty: none), control protocol version. Never a secret.",
+        ("host", "node", "control", "supervisor", "protocol"),
+    ),
     "step": ("gauge", "Last completed optimizer step.", ()),
     "step_target": ("gauge", "Planned last step.", ()),
     "tokens": ("counter", "Tokens trained on by this rank.", ()),
     "last_step_timestamp_seconds": ("gauge", "Wall time of the last completed step.", ()),
+    "last_step_age_seconds": (
+        "gauge",
+        "Seconds since the last completed step (since start before the first), on the "
+        "agent's own monotonic clock at scrape time: liveness without clocks in sync.",
+        (),
+    ),
     "step_duration_seconds": ("histogram", "Step wall time, measured on the host.", ()),
     "tokens_per_second": ("gauge", "Tokens per second over the last log interval.", ()),
     "model_flops_per_second": ("gauge", "Model FLOP/s over the last log interval.", ()),

@@ -59,6 +59,7 @@ _REASONS: dict[str, str] = {
 _PATTERN_REASONS: dict[str, str] = {
     "id": "may hold only letters, digits, '.', '_' and '-', and start with a letter or digit",
     "tcp": "must be HOST:PORT, e.g. 127.0.0.1:9420",
+    "advertise": "must be HOST:PORT, e.g. 10.0.0.5:9420",
     "token_env": "must be an environment variable name",
 }
 

@@ -7,6 +7,7 @@ collectors are served beside them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import (
@@ -78,12 +79,20 @@ class AgentMetrics:
     def set(self, name: str, value: float, **labels: str) -> None:
         self.child(name, **labels).set(value)
 
+    def track(self, name: str, value: Callable[[], float]) -> None:
+        """Let the gauge ``name`` read ``value()`` at each scrape."""
+        self.child(name).set_function(value)
+
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         if amount > 0:
             self.child(name, **labels).inc(amount)
 
     def observe(self, name: str, value: float) -> None:
         self.child(name).observe(value)
+
+    def clear(self, name: str) -> None:
+        """Drop every series of ``name`` (an info series about to be replaced)."""
+        self._metrics[name].clear()
 
     def remove(self, name: str, **labels: str) -> None:
         """Drop one labelled series (bounded cardinality: a layer that left the top-k)."""

@@ -48,6 +48,12 @@ class ScrapeConfig(_Durations):
     )
     job: str = Field(default="lossguard-agent", description="The `job` label of agent series.")
     targets: list[str] = Field(default_factory=list, description="Static agent /metrics URLs.")
+    file_sd_files: list[str] = Field(
+        default_factory=list,
+        description="Prometheus file_sd JSON files (globs) whose targets are scraped too, "
+        "re-read every scrape: the files a job writes on start and removes on exit "
+        "(deploy/slurm/).",
+    )
     runs_root: Path | None = Field(
         default=None, description="Discover agents from runs_root/*/agent.json."
     )
@@ -100,6 +106,14 @@ class PrometheusConfig(_Durations):
         return http_url(url).rstrip("/")
 
 
+class DiscoveryConfig(_Durations):
+    forget: str = Field(
+        default="10m",
+        description="Keep a run's announced endpoints (lossguard_agent_info) this long after "
+        "its series was last seen, then forget the run.",
+    )
+
+
 class RulesConfig(_Durations):
     files: list[Path] = Field(min_length=1, description="Prometheus-format rule files.")
     evaluation_interval: str = "1s"
@@ -141,6 +155,7 @@ class MonitorConfig(Section):
     source: Literal["scrape", "prometheus"] = "scrape"
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     prometheus: PrometheusConfig | None = None
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     rules: RulesConfig
     state: StateConfig = Field(default_factory=StateConfig)
     listen: ListenConfig = Field(default_factory=ListenConfig)
@@ -158,8 +173,11 @@ class MonitorConfig(Section):
     def _source_is_configured(self) -> MonitorConfig:
         if self.source == "prometheus" and self.prometheus is None:
             raise field_error("prometheus", "required when source is prometheus")
-        if self.source == "scrape" and not self.scrape.targets and self.scrape.runs_root is None:
-            raise field_error("scrape", "give targets, runs_root, or both")
+        scrape = self.scrape
+        if self.source == "scrape" and not (
+            scrape.targets or scrape.file_sd_files or scrape.runs_root is not None
+        ):
+            raise field_error("scrape", "give targets, file_sd_files or runs_root")
         return self
 
 

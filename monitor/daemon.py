@@ -39,8 +39,9 @@ from lossguard.monitor.rules.rulefile import (
     metric_names,
 )
 from lossguard.monitor.rules.ruleset import RuleSet, Schedule
-from lossguard.monitor.runs import RUN_METRICS, RunsView, read_runs
+from lossguard.monitor.runs import RUN_METRICS, RunsView
 from lossguard.monitor.sources import Source
+from lossguard.monitor.sources.announced import AGENT_INFO, AnnouncedRuns
 from lossguard.monitor.sources.discovery import discover, trust_owners
 from lossguard.monitor.sources.file_sd import FileSdWriter
 from lossguard.monitor.sources.liveness import DeadRun
@@ -85,6 +86,9 @@ class Monitor:
             config.notifications, secrets, external_url=config.rules.external_url
         )
         facts = RunFacts(self.source)
+        self.announced = AnnouncedRuns(
+            seconds(config.discovery.forget), self.metrics.refused_announcement
+        )
         self.dispatcher = Dispatcher(
             self.store,
             config.notifications,
@@ -97,6 +101,7 @@ class Monitor:
             self.store,
             self.dispatcher.silences,
             runs_root=config.scrape.runs_root,
+            announced=self.announced,
             config_path=None if config.source_file is None else str(config.source_file),
             observe=self.metrics.acted,
             on_done=self._acted,
@@ -135,7 +140,7 @@ class Monitor:
             token=token,
             token_env=config.listen.token_env,
             extra=api_routes(
-                RunsView(config.scrape.runs_root, self.source, self.store),
+                RunsView(config.scrape.runs_root, self.source, self.store, self.announced),
                 self.store,
                 self.actions.endpoints,
                 token=token,
@@ -158,6 +163,7 @@ class Monitor:
         scrape = self.config.scrape
         return ScrapeSource(
             static_targets=scrape.targets,
+            file_sd_files=scrape.file_sd_files,
             runs_root=scrape.runs_root,
             interval_s=seconds(scrape.interval),
             timeout_s=seconds(scrape.timeout) if scrape.timeout else None,
@@ -230,6 +236,7 @@ class Monitor:
         self.schedule.done(self.ruleset.groups, groups or {g.key for g in self.ruleset.groups}, t)
         self.metrics.update_alerts(self.ruleset.rules)
         self.metrics.update_targets(self.source.targets())
+        self.announced.update(self.source.query, t)
         self.metrics.update_run_exits(self._dead_runs(t))
         self._last_cycle = t
         return transitions
@@ -272,11 +279,9 @@ class Monitor:
         return refused
 
     def _knows_run(self, run_id: str) -> bool:
-        """Whether ``run_id`` is a run the monitor watches: discovered under the runs root or
-        reached through ``actions.agents``."""
-        return run_id in self.config.actions.agents or run_id in read_runs(
-            self.config.scrape.runs_root
-        )
+        """Whether ``run_id`` is a run the monitor watches: announced on the source, discovered
+        under the runs root, or reached through ``actions.agents``."""
+        return self.actions.endpoints.knows(run_id)
 
     def notify(self, now: float) -> list[int] | None:
         """Queue what the recorded transitions and due alert groups call for; wake delivery.
@@ -450,7 +455,9 @@ def _file_sd_writer(config: MonitorConfig) -> FileSdWriter | None:
 
 
 def _kept_names(groups: list[RuleGroup]) -> frozenset[str] | None:
-    """The metric names a scrape keeps: those the rules, the notifications and the HTTP API
-    read (None: all, when a rule selects names by regex)."""
+    """The metric names a scrape keeps: those the rules, the notifications, the HTTP API and
+    the runs' announcements read (None: all, when a rule selects names by regex)."""
     names = metric_names(groups)
-    return None if names is None else names | FACT_METRICS | set(RUN_METRICS.values())
+    if names is None:
+        return None
+    return names | FACT_METRICS | set(RUN_METRICS.values()) | {AGENT_INFO}

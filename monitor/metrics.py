@@ -23,6 +23,7 @@ from lossguard.monitor.notify.model import Notification
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore
 from lossguard.monitor.rules.alerting import RuleAlerts
 from lossguard.monitor.sources import TargetStatus
+from lossguard.monitor.sources.announced import REFUSAL_REASONS
 from lossguard.monitor.sources.liveness import (
     RUN_EXITED,
     RUN_EXITED_HELP,
@@ -59,6 +60,13 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Actions by result: applied, failed, retry (not delivered, will be retried), held "
         "(by a silence), dry_run, refused (an Alertmanager alert not acted on).",
         ("action", "result"),
+    ),
+    "discovery_refusals": (
+        "counter",
+        "Run announcements (lossguard_agent_info) not believed, never acted on: an unknown "
+        "protocol version, an address that is not HOST:PORT, an address on another host than "
+        "the one scraped, two rank 0s of one run.",
+        ("reason",),
     ),
     "outbox_dead_letters": (
         "gauge",
@@ -105,6 +113,9 @@ class MonitorMetrics:
         self.outbox_pending = self.metric(Gauge, "outbox_pending")
         self.dead_letters = self.metric(Gauge, "outbox_dead_letters")
         self.actions = self.metric(Counter, "actions")
+        self.discovery_refusals = self.metric(Counter, "discovery_refusals")
+        for reason in REFUSAL_REASONS:
+            self.discovery_refusals.labels(reason)
         self.run_exited = self.metric(Gauge, RUN_EXITED)
         self._seen_alerts: set[tuple[str, str]] = set()
         self._seen_rules: set[str] = set()
@@ -147,6 +158,9 @@ class MonitorMetrics:
 
     def acted(self, action: str, result: str) -> None:
         self.actions.labels(action, result).inc()
+
+    def refused_announcement(self, reason: str) -> None:
+        self.discovery_refusals.labels(reason).inc()
 
     def watch_outbox(self, store: NotifyStore) -> None:
         """Read the outbox counts from the state database at each scrape."""

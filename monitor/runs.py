@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lossguard.common.catalogue import STEP, exposed_name
+from lossguard.common.control.address import join_address
 from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
 from lossguard.monitor.notify.model import RUN_LABEL
 from lossguard.monitor.promql import PromQLError
 from lossguard.monitor.promql.model import label_value
 from lossguard.monitor.sources import Source, SourceError, TargetStatus
+from lossguard.monitor.sources.announced import AnnouncedRun, AnnouncedRuns
 from lossguard.monitor.sources.discovery import announced_runs
 from lossguard.monitor.state import StateStore
 from lossguard.monitor.views import active_alerts
@@ -68,10 +70,17 @@ def read_runs(runs_root: Path | None) -> dict[str, RunFiles]:
 class RunsView:
     """Builds the API's view of runs from the runs root, the source and the state database."""
 
-    def __init__(self, runs_root: Path | None, source: Source, state: StateStore) -> None:
+    def __init__(
+        self,
+        runs_root: Path | None,
+        source: Source,
+        state: StateStore,
+        announced: AnnouncedRuns | None = None,
+    ) -> None:
         self.runs_root = runs_root
         self.source = source
         self.state = state
+        self.announced = announced
 
     def runs(self, run_id: str | None = None) -> list[dict[str, Any]]:
         """Every run known from discovery or from its series (only ``run_id`` when given),
@@ -80,7 +89,8 @@ class RunsView:
         # the ranks of runs (a supervisor's exporter, also a target of the run, is no rank)
         targets = [t for t in self.source.targets() if t.run_id and t.rank is not None]
         series = self._series(time.time())
-        known = set(files) | {t.run_id for t in targets if t.run_id} | set(series)
+        announced = self.announced.run_ids() if self.announced else []
+        known = set(files) | {t.run_id for t in targets if t.run_id} | set(series) | set(announced)
         alerts = [a for a in active_alerts(self.state) if a["labels"].get(RUN_LABEL)]
         hostname = socket.gethostname()
         return [
@@ -91,6 +101,7 @@ class RunsView:
                 series.get(run, {}),
                 [a for a in alerts if a["labels"][RUN_LABEL] == run],
                 hostname,
+                self.announced.get(run) if self.announced else None,
             )
             for run in sorted(known)
             if run_id is None or run == run_id
@@ -118,6 +129,7 @@ def _run(
     series: RunSeries,
     alerts: list[dict[str, Any]],
     hostname: str,
+    announced: AnnouncedRun | None,
 ) -> dict[str, Any]:
     """One run as the API shows it."""
     ranks = _ranks(targets, series)
@@ -146,6 +158,17 @@ def _run(
             "process": process,
         },
         "supervisor": supervised,
+        "announced": None if announced is None else _announcement(announced),
+    }
+
+
+def _announcement(run: AnnouncedRun) -> dict[str, Any]:
+    """Where the run said it is reached (``lossguard_agent_info``), and when it last said so."""
+    return {
+        "host": run.host,
+        "control": None if run.control is None else join_address(*run.control),
+        "supervisor": None if run.supervisor is None else join_address(*run.supervisor),
+        "last_seen": run.last_seen,
     }
 
 

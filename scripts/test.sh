@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Debian packages the tests run for real: promtool and prometheus (rules, exposition, the live
 # comparison), amtool and alertmanager (routing and webhook payloads compared with ours), slurm
-# and munge (deploy/slurm/).
+# and munge (deploy/slurm/), iproute2 (network namespaces as hosts).
 missing=()
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v amtool >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
@@ -14,6 +14,8 @@ command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # opens the run repo
 # a single-host Slurm (tests/slurm.py): the sbatch template's requeue, for real
 command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || missing+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || missing+=(munge)
+# network namespaces as simulated hosts (tests/netns.py): a monitor on its own host
+command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || missing+=(iproute2)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

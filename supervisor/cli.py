@@ -4,21 +4,26 @@ for its status or for a restart.
     lossguard-supervise run --run-dir runs/gpt -- lossguard-agent run configs/demo.yaml
     lossguard-supervise run --run-dir runs/gpt -- torchrun --nproc-per-node 8 train.py
     lossguard-supervise run --run-dir /shared/gpt -- torchrun --nnodes 4 --rdzv-backend c10d ...
+    lossguard-supervise run --run-dir runs/gpt --control-tcp 0.0.0.0:7071 -- lossguard-agent ...
     lossguard-supervise status --run-dir runs/gpt
     lossguard-supervise restart --run-dir runs/gpt --reason "hung after the NFS outage"
+    lossguard-supervise restart --tcp gpu-node-3:7071 --reason "hung"  # $LOSSGUARD_CONTROL_TOKEN
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lossguard.common.cli import EXIT_FAILED, EXIT_OK
+from lossguard.common.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from lossguard.common.config import ConfigError, seconds
 from lossguard.common.console import setup_logging
+from lossguard.common.control.address import join_address, split_address
+from lossguard.common.control.bearer import DEFAULT_TOKEN_ENV, token_from_env
 from lossguard.common.control.client import (
     ControlClient,
     ControlError,
@@ -33,7 +38,15 @@ from lossguard.supervisor.supervisor import (
     Supervisor,
     SupervisorError,
     SupervisorOptions,
+    TcpControl,
 )
+
+log = logging.getLogger("lossguard.supervisor")
+REPLY_TIMEOUT_S = 120.0
+
+
+class UsageError(ValueError):
+    """An option's value cannot be used: one line that names the option (exit 2)."""
 
 
 def _duration(text: str) -> float:
@@ -47,6 +60,16 @@ def _count(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, not {text!r}")
     return int(text)
+
+
+def _add_token_env(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--token-env",
+        default=DEFAULT_TOKEN_ENV,
+        metavar="NAME",
+        help="the environment variable that holds the TCP control token (default "
+        f"{DEFAULT_TOKEN_ENV}, as the agent's)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,10 +137,32 @@ def build_parser() -> argparse.ArgumentParser:
         default="1m",
         help="another node ends when node 0 is silent this long (default 1m)",
     )
+    control = run.add_argument_group(
+        "control over TCP (status and restart for a monitor on another host; multi-node: "
+        "served by node 0 only, as supervisor.sock)"
+    )
+    control.add_argument(
+        "--control-tcp",
+        metavar="HOST:PORT",
+        help="also serve the control on HOST:PORT (port 0: any free one); every request must "
+        "carry the token in --token-env's variable (at least 16 characters)",
+    )
+    control.add_argument(
+        "--control-advertise",
+        metavar="HOST:PORT",
+        help="the address others should use, as given (default: the bound one, a wildcard "
+        "host such as 0.0.0.0 as this host's name)",
+    )
+    _add_token_env(control)
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     for name, text in (("status", "show a supervisor's state"), ("restart", "restart the run")):
         client = sub.add_parser(name, help=text)
-        client.add_argument("--run-dir", type=Path, required=True)
+        where = client.add_mutually_exclusive_group(required=True)
+        where.add_argument("--run-dir", type=Path, help="the run's directory (its supervisor.sock)")
+        where.add_argument(
+            "--tcp", metavar="HOST:PORT", help="the supervisor's TCP control (--control-tcp)"
+        )
+        _add_token_env(client)
         client.add_argument("--json", action="store_true", help="print the reply as JSON")
         if name == "restart":
             client.add_argument("--reason", default="requested on the command line")
@@ -131,7 +176,45 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
     return tuple(command)
 
 
-def _options(args: argparse.Namespace, command: tuple[str, ...], nnodes: int) -> SupervisorOptions:
+def _address(option: str, text: str, *, any_port: bool) -> tuple[str, int]:
+    """``HOST:PORT`` as host and port; ``any_port``: port 0 (any free one) is allowed."""
+    try:
+        host, port = split_address(text)
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from None
+    if port == 0 and not any_port:
+        raise UsageError(f"{option}: port must be 1 to 65535, not 0")
+    return host, port
+
+
+def _token(option: str, token_env: str) -> str:
+    try:
+        return token_from_env(token_env)
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from None
+
+
+def _tcp_control(args: argparse.Namespace) -> TcpControl | None:
+    """What ``--control-tcp`` and ``--control-advertise`` ask for (None: the socket only)."""
+    if args.control_tcp is None:
+        if args.control_advertise is not None:
+            raise UsageError("--control-advertise: needs --control-tcp")
+        return None
+    bind = _address("--control-tcp", args.control_tcp, any_port=True)
+    advertise = None
+    if args.control_advertise is not None:
+        advertise = join_address(
+            *_address("--control-advertise", args.control_advertise, any_port=False)
+        )
+    return TcpControl(bind, _token("--control-tcp", args.token_env), advertise)
+
+
+def _options(
+    args: argparse.Namespace,
+    command: tuple[str, ...],
+    nnodes: int,
+    control_tcp: TcpControl | None,
+) -> SupervisorOptions:
     return SupervisorOptions(
         run_dir=args.run_dir.resolve(),
         command=command,
@@ -147,11 +230,13 @@ def _options(args: argparse.Namespace, command: tuple[str, ...], nnodes: int) ->
         join_timeout_s=args.join_timeout,
         give_up=args.give_up,
         term_is_preemption=args.term_is_preemption,
+        control_tcp=control_tcp,
     )
 
 
 def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     command = _command(parser, args)
+    control_tcp = _tcp_control(args)  # checked on every node: they share one command line
     try:
         where = placement(command, args.node_rank, args.nnodes)
     except PlacementError as exc:
@@ -159,6 +244,8 @@ def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         return EXIT_CONFIG
     run_dir = args.run_dir.resolve()
     if where.node > 0:
+        if control_tcp is not None:
+            log.info("node %d: node 0 serves the control; --control-tcp is not", where.node)
         follower = Follower(
             run_dir,
             command,
@@ -170,7 +257,7 @@ def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         )
         return follower.run()
     try:
-        return Supervisor(_options(args, command, where.nnodes)).run()
+        return Supervisor(_options(args, command, where.nnodes, control_tcp)).run()
     except SupervisorError as exc:
         print(f"lossguard-supervise: error: {exc}", file=sys.stderr)
         return EXIT_PERMANENT
@@ -179,15 +266,25 @@ def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         return EXIT_CONFIG
 
 
+def _client(args: argparse.Namespace) -> ControlClient:
+    """A client for the supervisor that ``--run-dir`` or ``--tcp`` names."""
+    if args.tcp is None:
+        socket_path = args.run_dir / SUPERVISOR_SOCKET
+        return ControlClient(socket_path=socket_path, timeout=REPLY_TIMEOUT_S)
+    address = _address("--tcp", args.tcp, any_port=False)
+    token = _token("--tcp", args.token_env)
+    return ControlClient(tcp=address, token=token, timeout=REPLY_TIMEOUT_S)
+
+
 def _ask(args: argparse.Namespace) -> int:
-    socket_path = args.run_dir / SUPERVISOR_SOCKET
     request = {"reason": args.reason} if args.command == "restart" else {}
+    client = _client(args)
     try:
-        with ControlClient(socket_path=socket_path, timeout=120) as client:
+        with client:
             result = client.request(args.command, request)
     except (ControlUnavailable, ControlTimeout, OSError) as exc:
         print(
-            f"lossguard-supervise: error: no supervisor answers at {socket_path} ({exc})",
+            f"lossguard-supervise: error: no supervisor answers at {client.address} ({exc})",
             file=sys.stderr,
         )
         return EXIT_FAILED
@@ -205,9 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging()
-    if args.command != "run":
-        return _ask(args)
-    return _supervise(parser, args)
+    try:
+        return _ask(args) if args.command != "run" else _supervise(parser, args)
+    except UsageError as exc:
+        print(f"lossguard-supervise: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 from lossguard.common.exitcodes import EXIT_RETRYABLE
-from lossguard.common.rundir.supervisor_file import RESUME_ENV, pid_alive
+from lossguard.common.rundir.supervisor_file import pid_alive
 from lossguard.supervisor.multinode import Coordination, Decision, NodeReport
 from lossguard.supervisor.outcome import child_outcome
 from lossguard.supervisor.process import (
     TrainingProcess,
+    command_env,
     end_leftover_group,
     forward_stop,
 )
@@ -142,18 +143,17 @@ class Follower:
                 continue
             if decision.action == "run":
                 generation = decision.generation
-                code = self._run_generation(generation, decision.resume_from)
+                code = self._run_generation(decision)
                 if self.stop_signal is not None:
                     return code if code is not None else EXIT_RETRYABLE
             else:
                 time.sleep(POLL_S)
 
-    def _run_generation(self, generation: int, resume: str | None) -> int | None:
-        env = dict(os.environ)
-        env.pop(RESUME_ENV, None)
-        if resume is not None:
-            env[RESUME_ENV] = resume
-        child = self.child = TrainingProcess(self.command, env)
+    def _run_generation(self, run: Decision) -> int | None:
+        """Run the group of the generation that the leader's ``run`` decision starts, from
+        the checkpoint it chose, telling the command node 0's TCP control address."""
+        generation, resume = run.generation, run.resume_from
+        child = self.child = TrainingProcess(self.command, command_env(resume, run.control_tcp))
         log.info(
             "node %d: generation %d, pid %d, from %s", self.node, generation, child.pid, resume
         )

@@ -20,10 +20,16 @@ from lossguard.supervisor.multinode import (
 class Leader:
     """Publishes node 0's decisions and watches the followers of one leader process."""
 
-    def __init__(self, coordination: Coordination, nnodes: int) -> None:
+    def __init__(
+        self, coordination: Coordination, nnodes: int, control_tcp: str | None = None
+    ) -> None:
+        """``control_tcp``: node 0's advertised TCP control address, carried by every
+        decision so that every node's command is told it."""
         self.coordination = coordination
         self.nnodes = nnodes
-        self.decision = Decision(leader=uuid.uuid4().hex, beat=0, generation=0, action="join")
+        self.decision = Decision(
+            leader=uuid.uuid4().hex, beat=0, generation=0, action="join", control_tcp=control_tcp
+        )
         self._beaten = 0.0
         self._publish(self.decision)
 
@@ -49,6 +55,7 @@ class Leader:
                 action=action,
                 resume_from=resume_from,
                 exit_code=exit_code,
+                control_tcp=d.control_tcp,
             )
         )
 

@@ -7,7 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from lossguard.common.catalogue import register_metric
+from lossguard.common.catalogue import CONTROL_REFUSALS, register_metric
 from lossguard.common.rundir.supervisor_file import SupervisorState
 
 PREFIX = "lossguard_supervisor_"
@@ -27,6 +27,13 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "the restart resumes from.",
         ("run_id", "exit", "step", "node", "checkpoint"),
     ),
+    "control_refusals": (
+        "counter",
+        "Connections and requests to the supervisor's TCP control refused before "
+        "authentication: no token line in time (timeout), a wrong or missing token "
+        "(unauthorized), no free slot (busy).",
+        ("run_id", "reason"),
+    ),
 }
 
 
@@ -44,6 +51,8 @@ class SupervisorMetrics:
         for reason in RESTART_REASONS:
             self._counter("restarts").labels(run_id, reason)
         self._counter("crashes").labels(run_id)
+        for reason in CONTROL_REFUSALS:
+            self._counter("control_refusals").labels(run_id, reason)
 
     def _gauge(self, name: str) -> Gauge:
         metric = self._metrics[name]
@@ -79,3 +88,8 @@ class SupervisorMetrics:
 
     def set_remaining(self, remaining: int) -> None:
         self._gauge("restarts_remaining").labels(self.run_id).set(remaining)
+
+    def control_refused(self, reason: str) -> None:
+        """A TCP control connection or request refused before authentication (the control
+        server's ``on_refused``): counted, never an audit line."""
+        self._counter("control_refusals").labels(self.run_id, reason).inc()

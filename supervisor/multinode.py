@@ -42,6 +42,7 @@ class Decision:
     action: Action
     resume_from: str | None = None
     exit_code: int | None = None
+    control_tcp: str | None = None  # node 0's advertised TCP control, for every node's command
 
 
 @dataclass(frozen=True)

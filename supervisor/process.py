@@ -13,6 +13,8 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from lossguard.common.control.address import SUPERVISOR_CONTROL_ENV
+from lossguard.common.rundir.supervisor_file import RESUME_ENV
 from lossguard.supervisor.tree import libc_prctl, signal_tree
 
 STDERR_TAIL_LINES = 20
@@ -28,6 +30,21 @@ def _die_with_parent() -> None:
     prctl = libc_prctl()
     if prctl is not None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def command_env(
+    resume: str | None, control_tcp: str | None, base: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The environment of one start of the training command: ``base`` with ``RESUME_ENV``
+    set to the checkpoint to resume from and ``SUPERVISOR_CONTROL_ENV`` to the supervisor's
+    advertised TCP control address, each only when there is one (a stale value inherited from
+    the supervisor's own environment never reaches the command)."""
+    env = dict(base)
+    for name, value in ((RESUME_ENV, resume), (SUPERVISOR_CONTROL_ENV, control_tcp)):
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
+    return env
 
 
 class TrainingProcess:

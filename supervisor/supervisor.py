@@ -1,6 +1,7 @@
 """The supervisor loop: start the training command, and when it dies, restart it from its
 newest healthy checkpoint, within a budget; forward a stop signal and never restart after one;
-restart a hung run when the monitor asks (``restart`` on ``supervisor.sock``).
+restart a hung run when the monitor asks (``restart`` on ``supervisor.sock``, or with
+``--control-tcp`` over TCP behind the agent's token gate).
 
 It judges only process liveness and the monitor's requests, never training health. Every crash
 and restart is an audit record in the run's ``events.jsonl`` (written while no training process
@@ -16,11 +17,13 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lossguard.common import __version__
+from lossguard.common.config import ConfigError
+from lossguard.common.control.address import advertised_address, join_address
 from lossguard.common.control.protocol import SUPERVISOR_COMMAND_ARGS, ok_reply
 from lossguard.common.control.server import (
     ControlServer,
@@ -42,7 +45,6 @@ from lossguard.common.rundir.events import (
 from lossguard.common.rundir.files import write_atomically
 from lossguard.common.rundir.names import SUPERVISOR_FILE, SUPERVISOR_SOCKET
 from lossguard.common.rundir.supervisor_file import (
-    RESUME_ENV,
     SupervisorInfo,
     SupervisorState,
     pid_alive,
@@ -54,6 +56,7 @@ from lossguard.supervisor.multinode import Coordination
 from lossguard.supervisor.outcome import child_outcome, combined
 from lossguard.supervisor.process import (
     TrainingProcess,
+    command_env,
     describe_status,
     end_leftover_group,
     forward_stop,
@@ -74,6 +77,17 @@ class SupervisorError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class TcpControl:
+    """Serve the control over TCP too, behind the token gate: listen on ``bind`` (port 0: any
+    free one) and tell others ``advertise`` (``HOST:PORT``; None: the bound address, a
+    wildcard host as this host's name)."""
+
+    bind: tuple[str, int]
+    token: str = field(repr=False)
+    advertise: str | None = None
+
+
+@dataclass(frozen=True)
 class SupervisorOptions:
     run_dir: Path
     command: tuple[str, ...]
@@ -89,6 +103,7 @@ class SupervisorOptions:
     join_timeout_s: float = 600.0
     give_up: bool = False  # exit (permanent failure) when the restart budget is spent
     term_is_preemption: bool = False  # SIGTERM is forwarded as SIGUSR1 (Kubernetes)
+    control_tcp: TcpControl | None = None  # None: the Unix socket only
 
 
 class Supervisor:
@@ -128,7 +143,12 @@ class Supervisor:
         self._end_leftovers()
         self._start_services()
         self._install_signals()
-        self.event(SUPERVISOR_START, pid=os.getpid(), command=list(self.options.command))
+        self.event(
+            SUPERVISOR_START,
+            pid=os.getpid(),
+            command=list(self.options.command),
+            control_tcp=self.info.control_tcp,
+        )
         try:
             if self.options.nnodes > 1 and not self._lead():
                 return self._finish(None, EXIT_STOPPED if self.stop_signal else EXIT_RETRYABLE)
@@ -168,7 +188,7 @@ class Supervisor:
 
     def _lead(self) -> bool:
         """Node 0 of several: wait for every other node to join; whether they did."""
-        self.leader = Leader(Coordination(self.run_dir), self.options.nnodes)
+        self.leader = Leader(Coordination(self.run_dir), self.options.nnodes, self.info.control_tcp)
         log.info("waiting for %d more nodes to join", self.options.nnodes - 1)
         joined = self.leader.wait_joined(self.options.join_timeout_s, self._idle)
         if not joined and self.stop_signal is None:
@@ -211,10 +231,7 @@ class Supervisor:
         self.generation += 1
         if self.leader is not None:
             self.leader.publish("run", generation=self.generation, resume_from=resume)
-        env = dict(os.environ)
-        env.pop(RESUME_ENV, None)
-        if resume is not None:
-            env[RESUME_ENV] = resume
+        env = command_env(resume, self.info.control_tcp)
         self.child = TrainingProcess(self.options.command, env)
         log.info("started pid %d%s", self.child.pid, f", resuming from {resume}" if resume else "")
         restarts = self.info.restarts + restarted
@@ -375,13 +392,21 @@ class Supervisor:
         write_atomically(self.run_dir / SUPERVISOR_FILE, self.info.to_json(), mode=mode)
 
     def _start_services(self) -> None:
+        """The control (socket, and TCP when asked for) and the exporter; a TCP listener that
+        cannot start is a ConfigError naming ``--control-tcp``."""
+        tcp = self.options.control_tcp
         try:
             self.server = ControlServer(
                 socket_path=self.run_dir / SUPERVISOR_SOCKET,
+                tcp=tcp.bind if tcp is not None else None,
+                token=tcp.token if tcp is not None else None,
+                on_refused=self.metrics.control_refused,
                 answered=answered_before(RunDirectory(self.run_dir).read_events()),
                 commands=SUPERVISOR_COMMAND_ARGS,
             )
         except ListenError as exc:
+            if exc.endpoint == "tcp":
+                raise ConfigError(f"--control-tcp: {exc}") from None
             raise SupervisorError(f"control socket: {exc}") from None
         self.server.start()
         metrics_url = None
@@ -389,8 +414,21 @@ class Supervisor:
             port = self.metrics.serve(self.options.metrics_host, self.options.metrics_port)
             metrics_url = f"http://{self.options.metrics_host}:{port}/metrics"
         self.info = dataclasses.replace(
-            self.info, socket=str(self.server.socket_path), metrics_url=metrics_url
+            self.info,
+            socket=str(self.server.socket_path),
+            metrics_url=metrics_url,
+            control_tcp=self._advertised(),
         )
+
+    def _advertised(self) -> str | None:
+        """``HOST:PORT`` that others reach the TCP control at (None: not served)."""
+        tcp = self.options.control_tcp
+        bound = self.server.tcp_address if self.server is not None else None
+        if tcp is None or bound is None:
+            return None
+        advertised = advertised_address(bound, tcp.advertise)
+        log.info("control over TCP on %s, advertised as %s", join_address(*bound), advertised)
+        return advertised
 
     def _end_leftovers(self) -> None:
         """Refuse to supervise a run another live supervisor here has; end the training process

@@ -184,6 +184,20 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def stalled_rules(tmp_path: Path) -> Path:
+    """The shipped rules with TrainingStalled after 3 s without a step, for 2 s (300 s and 5m
+    shipped: tests/bench_supervisor.py runs those), written into ``tmp_path``."""
+    rules = yaml.safe_load((REPO / "alerts" / "lossguard.rules.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "TrainingStalled":
+                rule["expr"] = rule["expr"].replace("> 300", "> 3")
+                rule["for"] = "2s"
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rules, sort_keys=False))
+    return path
+
+
 def write_monitor_config(path: Path, rules: list[Path], **sections: Any) -> tuple[Path, str]:
     """A monitor.yml evaluating ``rules`` every second, its state beside it, listening on a
     free port; returns the file and the monitor's base URL."""

@@ -151,12 +151,15 @@ def prometheus(
     alertmanagers: Sequence[str] = (),
     ready_timeout: float = 30,
     web_auth: WebAuth | None = None,
+    file_sd: Path | None = None,
 ) -> Iterator[PromServer]:
     """Run Prometheus on a free port of 127.0.0.1, scraping the metrics URLs ``targets`` as
-    ``job`` (see :func:`scrape_config`) and sending the alerts of ``rule_files`` to the
-    Alertmanagers at the base URLs ``alertmanagers``; its config, data and log live in
-    ``directory``. With ``web_auth``, as in the compose stack: its web endpoints need basic
-    auth, and it sends the same to the Alertmanagers. Stopped on exit."""
+    ``job`` (see :func:`scrape_config`), and with ``file_sd`` the targets of the ``*.json``
+    files in that folder too (Prometheus's file_sd, honouring the exposed labels), sending the
+    alerts of ``rule_files`` to the Alertmanagers at the base URLs ``alertmanagers``; its
+    config, data and log live in ``directory``. With ``web_auth``, as in the compose stack: its
+    web endpoints need basic auth, and it sends the same to the Alertmanagers. Stopped on
+    exit."""
     binary = prometheus_binary()
     directory.mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
@@ -172,6 +175,12 @@ def prometheus(
             )
         ],
     }
+    if file_sd is not None:
+        scrapes = config["scrape_configs"]
+        scrapes[0]["file_sd_configs"] = [
+            {"files": [str(file_sd / "*.json")], "refresh_interval": "1s"}
+        ]
+        scrapes[0]["honor_labels"] = True
     password = None if web_auth is None else web_auth.password_file(directory / "web-password")
     if alertmanagers:
         config["alerting"] = {"alertmanagers": [alerting_config(alertmanagers, password)]}

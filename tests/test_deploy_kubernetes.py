@@ -1,10 +1,13 @@
 """deploy/kubernetes/: every object valid against the Kubernetes API schemas (the
 ``kubernetes-validate`` package, offline), the Job's podFailurePolicy mapping the exit-code
 contract, and the files they embed accepted by the tools that read them (lossguard-supervise's
-arguments, the agent's and the monitor's configurations, ``promtool check config``)."""
+arguments, the agent's and the monitor's configurations, ``promtool check config``). No static
+map: the monitor reads Prometheus and finds the runs' control endpoints on
+``lossguard_agent_info``, which the training pods advertise at their pod IP."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,9 +17,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from lossguard.agent.cli import build_parser as agent_parser
 from lossguard.agent.config import parse_config
+from lossguard.common.control.address import split_address
 from lossguard.common.exitcodes import EXIT_CONFIG, EXIT_PERMANENT, EXIT_PREEMPTED, EXIT_STOPPED
 from lossguard.monitor.config import load_monitor_config
+from lossguard.monitor.promql import Sample, make_labels
+from lossguard.monitor.sources.announced import AGENT_INFO, HOSTS_QUERY, QUERY, AnnouncedRuns
 from lossguard.supervisor.cli import build_parser
 from lossguard.supervisor.multinode import placement
 from tests.conftest import REPO
@@ -66,11 +73,42 @@ def test_the_pod_failure_policy_maps_the_exit_code_contract() -> None:
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
 
 
+POD_IP = "10.42.3.17"  # what the Downward API gives a pod (status.podIP)
+SET_BY_THE_JOB = {"JOB_COMPLETION_INDEX"}  # set in every pod of an Indexed Job
+
+
+def train_container() -> dict[str, Any]:
+    return named("Job", "lossguard-train")["spec"]["template"]["spec"]["containers"][0]
+
+
+def expanded_argv(container: dict[str, Any], **values: str) -> list[str]:
+    """The container's command line as Kubernetes runs it: each ``$(NAME)`` replaced by the
+    variable's value. Every variable it names is one of the container's or the Job's."""
+    defined = {e["name"] for e in container["env"]} | SET_BY_THE_JOB
+    argv = [*container["command"], *container["args"]]
+    names = {name for a in argv for name in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", a)}
+    assert names <= defined, f"undefined in the pod: {names - defined}"
+    assert names <= set(values), f"give the test a value for {names - set(values)}"
+    return [re.sub(r"\$\((\w+)\)", lambda m: values[m[1]], a) for a in argv]
+
+
+def supervisor_and_agent_argv(
+    container: dict[str, Any], **values: str
+) -> tuple[list[str], list[str]]:
+    """lossguard-supervise's arguments, and the agent's (after ``-m lossguard.agent.cli``)."""
+    argv = expanded_argv(container, **values)
+    module = argv.index("lossguard.agent.cli")
+    assert argv[module - 1] == "-m"
+    return argv[1:], argv[module + 1 :]
+
+
 def test_the_training_pod_runs_a_supervisor_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = named("Job", "lossguard-train")["spec"]
     container = spec["template"]["spec"]["containers"][0]
-    argv = [*container["command"][1:], *container["args"]]
-    args = build_parser().parse_args([a.replace("$(JOB_COMPLETION_INDEX)", "1") for a in argv])
+    supervisor, agent = supervisor_and_agent_argv(
+        container, JOB_COMPLETION_INDEX="1", POD_IP=POD_IP
+    )
+    args = build_parser().parse_args(supervisor)
     command = tuple(args.cmd[1:])
     assert args.give_up and args.term_is_preemption
     where = placement(command, args.node_rank, args.nnodes, env={})
@@ -81,9 +119,69 @@ def test_the_training_pod_runs_a_supervisor_per_node(monkeypatch: pytest.MonkeyP
     token = next(e for e in container["env"] if e["name"] == "LOSSGUARD_CONTROL_TOKEN")
     assert token["valueFrom"]["secretKeyRef"]["name"] == "lossguard"
     monkeypatch.setenv("LOSSGUARD_CONTROL_TOKEN", "from-the-secret-" + "0" * 16)
+    agent_args = agent_parser().parse_args(agent)
     train = yaml.safe_load(named("ConfigMap", "lossguard-train")["data"]["train.yaml"])
-    config = parse_config(train)
+    config = parse_config(train, agent_args.overrides)
     assert f"{config.run.dir}/{config.run.id}" == args.run_dir.as_posix()
+
+
+def test_the_training_pods_advertise_their_control_at_the_pod_ip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0's control (the agent's control.advertise) and the supervisor's
+    (--control-advertise) are announced at the pod's IP from the Downward API: the host of the
+    ``instance`` label kubernetes_sd gives the pod's exporters, the only host the monitor
+    believes an announced endpoint on."""
+    container = train_container()
+    pod_ip = next(e for e in container["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    supervisor, agent = supervisor_and_agent_argv(
+        container, JOB_COMPLETION_INDEX="0", POD_IP=POD_IP
+    )
+    args = build_parser().parse_args(supervisor)
+    assert args.control_tcp == "0.0.0.0:9421"
+    assert args.control_advertise == f"{POD_IP}:9421"
+    assert args.token_env == "LOSSGUARD_CONTROL_TOKEN"
+    token = next(e for e in container["env"] if e["name"] == args.token_env)
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "lossguard", "key": "control-token"}
+    monkeypatch.setenv(args.token_env, "from-the-secret-" + "0" * 16)
+    agent_args = agent_parser().parse_args(agent)
+    train = yaml.safe_load(named("ConfigMap", "lossguard-train")["data"]["train.yaml"])
+    control = parse_config(train, agent_args.overrides).control
+    assert control.token_env == args.token_env
+    assert split_address(control.tcp or "") == ("0.0.0.0", 9420)
+    assert control.advertise == f"{POD_IP}:9420"
+    ports = {p["containerPort"]: p["name"] for p in container["ports"]}
+    assert ports[9420] == "control" and ports[9421] == "control-sup"
+    # the monitor believes what a pod announces: the instance Prometheus scraped it at is
+    # POD_IP:PORT (kubernetes_sd, role pod, no relabelling of the address)
+    refused: list[str] = []
+    runs = AnnouncedRuns(600, refused.append)
+    info = {
+        "__name__": AGENT_INFO,
+        "instance": f"{POD_IP}:9410",
+        "job": "lossguard-agent",
+        "run_id": "gpt",
+        "rank": "0",
+        "control": control.advertise,
+        "supervisor": args.control_advertise,
+        "protocol": "1",
+    }
+    queries: list[str] = []
+
+    def query(expr: str, t: float) -> list[Sample]:
+        queries.append(expr)
+        return [Sample(make_labels(info), 1.0)]
+
+    runs.update(query, 100.0)
+    assert queries == [QUERY, HOSTS_QUERY] and refused == []
+    run = runs.get("gpt")
+    assert run is not None
+    assert (run.control, run.supervisor) == ((POD_IP, 9420), (POD_IP, 9421))
+    # the same announcement scraped from another pod's address is refused
+    info["instance"] = "10.42.9.9:9410"
+    AnnouncedRuns(600, refused.append).update(query, 100.0)
+    assert refused == ["host"]
 
 
 def test_the_monitor_config_loads(tmp_path: Path) -> None:
@@ -96,6 +194,24 @@ def test_the_monitor_config_loads(tmp_path: Path) -> None:
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in monitor["containers"][0]["env"]}
     secret = named("Secret", "lossguard")["stringData"]
     assert {ref["key"] for ref in env.values()} <= set(secret)
+    # no static map: the runs and their endpoints come from the in-cluster Prometheus
+    assert config.source == "prometheus" and config.prometheus is not None
+    assert re.fullmatch(
+        r"http://[a-z0-9-]+\.[a-z0-9-]+\.svc(\.cluster\.local)?:\d+", config.prometheus.url
+    )
+    assert "agents" not in yaml.safe_load(data["monitor.yml"])["actions"]
+    assert config.actions.agents == {} and config.scrape.runs_root is None
+    # the control token the training pods get (their Secret key) is the monitor's
+    train = {e["name"]: e.get("valueFrom") for e in train_container()["env"]}
+    assert env[config.actions.token_env] == train["LOSSGUARD_CONTROL_TOKEN"]["secretKeyRef"]
+    mounts = {m["mountPath"] for m in monitor["containers"][0]["volumeMounts"]}
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in monitor["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    assert mounts == {"/var/lib/lossguard", "/etc/lossguard"}  # its state and its config
+    assert claims == {"lossguard-monitor-state"}  # not the runs volume
 
 
 POD_META = {  # kubernetes_sd_configs role pod: the meta labels the relabelling reads
@@ -122,7 +238,17 @@ def test_the_prometheus_config_passes_promtool(tmp_path: Path) -> None:
         assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
         job["file_sd_configs"] = [{"files": [str(tmp_path / "targets.json")]}]
         labels |= {label for r in job["relabel_configs"] for label in r["source_labels"]}
+        # instance stays POD_IP:PORT, the host the monitor checks announced endpoints against
+        targets = {r.get("target_label") for r in job["relabel_configs"]}
+        assert not targets & {"__address__", "instance"}, job["job_name"]
     assert labels <= POD_META
+    # as deploy/prometheus.yml: the run_id, rank and node the exporters expose win
+    honored = {j["job_name"]: j.get("honor_labels", False) for j in prometheus["scrape_configs"]}
+    assert honored == {
+        "lossguard-agent": True,
+        "lossguard-supervisor": True,
+        "lossguard-monitor": False,
+    }
     (tmp_path / "targets.json").write_text("[]")
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump(prometheus))
@@ -169,11 +295,8 @@ def test_network_policies_admit_only_prometheus_the_monitor_and_the_run() -> Non
     exporters = (9410, 9417)  # 9410 + local rank, 8 ranks a pod
     assert sources == {
         frozenset({("job-name", "lossguard-train")}): [(0, 0)],  # every port
-        frozenset({("app.kubernetes.io/name", "lossguard-monitor")}): [
-            (9408, 9408),
-            exporters,
-            (9420, 9420),
-        ],
+        # rank 0's and the supervisor's control; it reads the metrics from Prometheus
+        frozenset({("app.kubernetes.io/name", "lossguard-monitor")}): [(9420, 9420), (9421, 9421)],
         frozenset({("app.kubernetes.io/name", "prometheus")}): [(9408, 9408), exporters],
     }
     monitor = named("NetworkPolicy", "lossguard-monitor")["spec"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,9 @@ def start_run(root: Path, run_id: str, *urls: str, started_at: float | None = No
     return run.path
 
 
+HOSTNAME = socket.gethostname()
+
+
 def update(run_dir: Path, **fields: object) -> None:
     path = run_dir / "agent.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
@@ -40,7 +45,15 @@ def test_runs_appear_and_disappear(tmp_path: Path) -> None:
     assert discover_agents(tmp_path) == []
     old = start_run(tmp_path, "old", "http://127.0.0.1:9410/metrics", started_at=100.0)
     assert discover_agents(tmp_path) == [
-        DiscoveredTarget("http://127.0.0.1:9410/metrics", "old", 0, old / "control.sock", old)
+        DiscoveredTarget(
+            "http://127.0.0.1:9410/metrics",
+            "old",
+            0,
+            old / "control.sock",
+            old,
+            HOSTNAME,
+            os.getpid(),
+        )
     ]
     new = start_run(
         tmp_path, "new", "http://127.0.0.1:9411/metrics", "http://127.0.0.1:9412/metrics"

@@ -75,7 +75,7 @@ def firing(base_url: str, alertname: str) -> float | None:
         ),
         ({"rules": {"files": ["latin1.yml"]}, "scrape": {"runs_root": "."}}, "not UTF-8"),
         ({"rules": {"files": ["r.yml"]}, "source": "prometheus"}, "prometheus: required when"),
-        ({"rules": {"files": ["r.yml"]}}, "scrape: give targets, runs_root, or both"),
+        ({"rules": {"files": ["r.yml"]}}, "scrape: give targets, file_sd_files or runs_root"),
         ({"rules": {"files": ["r.yml"]}, "extra": 1}, "extra: unknown key"),
         ({"rules": {"files": ["missing.yml"]}, "scrape": {"targets": ["http://h:1/m"]}}, "cannot"),
         ({"rules": {"files": ["bad.yml"]}, "scrape": {"targets": ["http://h:1/m"]}}, "bad.yml:1:"),

@@ -9,12 +9,10 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-import yaml
-
 from tests.bench_multinode import chaos, node_report, start_nodes, two_nodes
 from tests.conftest import (
-    REPO,
     events,
+    stalled_rules,
     start_monitor,
     stop_processes,
     wait_for,
@@ -39,14 +37,7 @@ def test_a_killed_worker_of_node_1_restarts_both_nodes_from_one_checkpoint(
 def test_a_monitor_restart_of_a_hung_two_node_run_restarts_both(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
-    rules = yaml.safe_load((REPO / "alerts" / "lossguard.rules.yml").read_text())
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            if rule.get("alert") == "TrainingStalled":
-                rule["expr"] = rule["expr"].replace("> 300", "> 3")
-                rule["for"] = "2s"
-    rules_file = tmp_path / "rules.yml"
-    rules_file.write_text(yaml.safe_dump(rules, sort_keys=False))
+    rules_file = stalled_rules(tmp_path)
     run_dir, config = two_nodes(
         tmp_path, corpus_cache, "hung", 10**6, faults=[{"kind": "hang", "step": 25}]
     )

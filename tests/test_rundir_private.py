@@ -125,7 +125,7 @@ def test_a_team_folder_with_setgid_shares_the_run_with_its_group(tmp_path: Path)
 def test_everything_a_run_writes_takes_the_runs_modes(
     tmp_path: Path, run_mode: str | None, dir_mode: int, file_mode: int
 ) -> None:
-    """Checkpoints (folders and files), heartbeats and the report, whatever the umask: the
+    """Checkpoints (folders and files) and the report, whatever the umask: the
     run's modes (0700/0600 by default), as its records."""
     import torch
 
@@ -144,19 +144,16 @@ def test_everything_a_run_writes_takes_the_runs_modes(
         with Guard(run_dir, model=model, optimizer=opt, config=cfg, progress=False) as guard:
             train(guard, model, opt, 3)
             guard.save(wait=True)
-            (beat,) = (run_dir / "heartbeats").iterdir()  # removed when the run ends
-            beat_mode = mode(beat)
         write_report(run_dir, tmp_path / "report")
     finally:
         os.umask(old)
     (checkpoint,) = [p for p in (run_dir / "checkpoints").iterdir() if p.name == "step_00000003"]
-    folders = [run_dir / "checkpoints", checkpoint, run_dir / "heartbeats"]
+    folders = [run_dir / "checkpoints", checkpoint]
     assert {str(p): mode(p) for p in folders} == {str(p): dir_mode for p in folders}
     files = [*checkpoint.iterdir(), *(tmp_path / "report").iterdir()]
     assert {p.name: mode(p) for p in files} == dict.fromkeys(
         ["meta.json", "state.pt", "report.html", "report.png"], file_mode
     )
-    assert beat_mode == file_mode
 
 
 def test_the_supervisor_refuses_another_users_run_directory_and_makes_its_own_private(

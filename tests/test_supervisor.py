@@ -1,11 +1,13 @@
 """lossguard-supervise with stand-in training commands: restarts, backoff and budget, crash loop
-and a human restart, preemption, requested restarts of a hung command, a killed supervisor."""
+and a human restart, preemption, requested restarts of a hung command, a killed supervisor,
+the control over TCP behind the token gate."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +21,11 @@ from lossguard.common.control.client import ControlClient
 from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
 from lossguard.supervisor.budget import RestartBudget
+from lossguard.supervisor.leader import Leader
+from lossguard.supervisor.multinode import Coordination
+from lossguard.supervisor.process import command_env
 from lossguard.supervisor.resume import ResumePlanner, step_reached
+from lossguard.supervisor.supervisor import Supervisor, SupervisorOptions, TcpControl
 from tests.conftest import (
     events,
     run_cli,
@@ -31,14 +37,16 @@ from tests.conftest import (
 )
 
 # A stand-in training command: counts its starts in starts.txt, records the checkpoint it was
-# told to resume from, then behaves as the file behaviour.txt says: "exit N" (after writing a
-# line to stderr), "hang", or "train" (run until SIGTERM, then exit 3, stopped, as the agent does).
+# told to resume from (and the supervisor's TCP control address, in control.txt), then behaves
+# as the file behaviour.txt says: "exit N" (after writing a line to stderr), "hang", or "train"
+# (run until SIGTERM, then exit 3, stopped, as the agent does).
 COMMAND = textwrap.dedent(
     """
     import os, signal, sys, threading, pathlib
     here = pathlib.Path(sys.argv[1])
     with open(here / "starts.txt", "a") as fh:
         fh.write(os.environ.get("LOSSGUARD_RESUME", "-") + "\\n")
+    (here / "control.txt").write_text(os.environ.get("LOSSGUARD_SUPERVISOR_CONTROL", "-"))
     behaviour = (here / "behaviour.txt").read_text().split()
     if behaviour[0] == "exit":
         print("stand-in: failing on purpose", file=sys.stderr)
@@ -66,10 +74,14 @@ def stand_in(run_dir: Path) -> list[str]:
     return [sys.executable, str(script), str(run_dir)]
 
 
-def supervise(run_dir: Path, *options: str) -> subprocess.Popen[str]:
+def supervise(
+    run_dir: Path, *options: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = supervisor_argv(run_dir, "--backoff", "50ms", *options, command=stand_in(run_dir))
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def starts(run_dir: Path) -> list[str]:
@@ -77,19 +89,17 @@ def starts(run_dir: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def ask(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def ask(
+    run_dir: Path | None, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``lossguard-supervise ARGS --run-dir RUN_DIR`` (None: ARGS name the supervisor)."""
+    where = ["--run-dir", str(run_dir)] if run_dir is not None else []
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lossguard.supervisor.cli",
-            *args,
-            "--run-dir",
-            str(run_dir),
-        ],
+        [sys.executable, "-m", "lossguard.supervisor.cli", *args, *where],
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
 
 
@@ -314,3 +324,148 @@ def test_a_crash_again_at_the_same_step_resumes_from_an_earlier_checkpoint(
         "step_00000040",  # a crash elsewhere: the newest again
         "step_00000030",
     ]
+
+
+TOKEN = "supervisor-token-" + "0" * 16
+
+
+def token_env(token: str | None) -> dict[str, str]:
+    """This environment with ``token`` (None: none) as ``$LOSSGUARD_CONTROL_TOKEN``."""
+    env = {k: v for k, v in os.environ.items() if k != "LOSSGUARD_CONTROL_TOKEN"}
+    return env if token is None else {**env, "LOSSGUARD_CONTROL_TOKEN": token}
+
+
+def child_pid(run_dir: Path) -> int | None:
+    """The running stand-in's pid (None: none written yet, or being written)."""
+    text = (run_dir / "child.pid").read_text() if (run_dir / "child.pid").exists() else ""
+    return int(text) if text.isdigit() else None
+
+
+def refusals(run_dir: Path, reason: str) -> float:
+    key = ("lossguard_supervisor_control_refusals_total", (("reason", reason), ("run_id", "run")))
+    return supervisor_series(run_dir)[key]
+
+
+def test_status_and_restart_over_tcp_behind_the_token(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "behaviour.txt").write_text("train")
+    supervisor = supervise(run_dir, "--control-tcp", "127.0.0.1:0", env=token_env(TOKEN))
+    try:
+        wait_for(lambda: trains(run_dir) and child_pid(run_dir), 30, "the command")
+        first = child_pid(run_dir)
+        recorded = json.loads((run_dir / "supervisor.json").read_text())
+        address = recorded["control_tcp"]
+        host, _, port = address.rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        assert (run_dir / "control.txt").read_text() == address  # the command is told
+        assert TOKEN not in (run_dir / "supervisor.json").read_text()
+
+        status = ask(None, "status", "--tcp", address, "--json", env=token_env(TOKEN))
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["child_pid"] == first
+
+        assert refusals(run_dir, "unauthorized") == 0
+        wrong = ask(None, "status", "--tcp", address, env=token_env("x" * 32))
+        assert wrong.returncode == 1
+        assert wrong.stderr.strip() == (
+            "lossguard-supervise: error: unauthorized: a valid token is required over TCP"
+        )
+        assert refusals(run_dir, "unauthorized") == 1
+
+        restarted = ask(
+            None, "restart", "--tcp", address, "--reason", "hung", "--json", env=token_env(TOKEN)
+        )
+        assert restarted.returncode == 0, restarted.stderr
+        assert json.loads(restarted.stdout)["killed_pid"] == first
+        wait_for(lambda: child_pid(run_dir) not in (None, first), 30, "the restarted command")
+        assert first is not None and not pid_alive(first) and len(starts(run_dir)) == 2
+        assert of_kind(run_dir, "command")[-1]["args"] == {"reason": "hung"}
+        assert (run_dir / "control.txt").read_text() == address  # every start is told
+        assert TOKEN not in (run_dir / "events.jsonl").read_text()
+    finally:
+        stop_process(supervisor)
+    assert supervisor.stderr is not None and TOKEN not in supervisor.stderr.read()
+
+
+def test_tcp_control_needs_a_token_and_a_host_port(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cases = [
+        (
+            ["--control-tcp", "127.0.0.1:0"],
+            None,
+            "--control-tcp: needs a token in the environment variable "
+            "LOSSGUARD_CONTROL_TOKEN, which is not set",
+        ),
+        (
+            ["--control-tcp", "127.0.0.1:0", "--token-env", "SHORT"],
+            None,
+            "--control-tcp: the token in SHORT has 5 characters, fewer than 16: "
+            "make one with openssl rand -hex 32",
+        ),
+        (
+            ["--control-tcp", "nohost"],
+            TOKEN,
+            "--control-tcp: 'nohost' is not HOST:PORT (e.g. 10.0.0.5:9420)",
+        ),
+    ]
+    for options, token, message in cases:
+        env = {**token_env(token), "SHORT": "short"}
+        done = subprocess.run(
+            supervisor_argv(run_dir, *options, command=["true"]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [f"lossguard-supervise: error: {message}"]
+    assert not run_dir.exists()  # nothing started
+    asked = ask(None, "restart", "--tcp", "127.0.0.1:7071", env=token_env(None))
+    assert asked.returncode == 2 and asked.stderr.splitlines() == [
+        "lossguard-supervise: error: --tcp: needs a token in the environment variable "
+        "LOSSGUARD_CONTROL_TOKEN, which is not set"
+    ]
+
+
+def advertised(run_dir: Path, control: TcpControl) -> tuple[str | None, int]:
+    """What a supervisor with ``control`` records as ``control_tcp``, and the port it bound."""
+    options = SupervisorOptions(run_dir, ("true",), "run", metrics_port=None, control_tcp=control)
+    supervisor = Supervisor(options)
+    supervisor._start_services()
+    try:
+        assert supervisor.server is not None and supervisor.server.tcp_address is not None
+        return supervisor.info.control_tcp, supervisor.server.tcp_address[1]
+    finally:
+        if supervisor.server is not None:
+            supervisor.server.close()
+        supervisor.events.close()
+
+
+def test_the_advertised_address_names_this_host_and_the_bound_port(tmp_path: Path) -> None:
+    address, port = advertised(tmp_path / "a", TcpControl(("0.0.0.0", 0), TOKEN))
+    assert port > 0 and address == f"{socket.gethostname()}:{port}"
+    named = TcpControl(("127.0.0.1", 0), TOKEN, advertise="gpu-node-3.example:7071")
+    assert advertised(tmp_path / "b", named)[0] == "gpu-node-3.example:7071"  # as given
+    assert TOKEN not in repr(named)
+
+
+def test_every_node_s_command_is_told_node_0_s_control(tmp_path: Path) -> None:
+    leader = Leader(Coordination(tmp_path), nnodes=2, control_tcp="node0:7071")
+    leader.publish("run", generation=1, resume_from="step_00000010")
+    decision = Coordination(tmp_path).decision()  # as a follower reads it
+    assert decision is not None and decision.control_tcp == "node0:7071"
+    base = {"LOSSGUARD_SUPERVISOR_CONTROL": "stale", "LOSSGUARD_RESUME": "stale", "A": "1"}
+    env = command_env(decision.resume_from, decision.control_tcp, base)
+    assert env == {
+        "A": "1",
+        "LOSSGUARD_RESUME": "step_00000010",
+        "LOSSGUARD_SUPERVISOR_CONTROL": "node0:7071",
+    }
+    assert command_env(None, None, base) == {"A": "1"}
+
+
+def test_a_supervisor_json_without_control_tcp_is_read() -> None:
+    old = {"run_id": "r", "pid": 1, "hostname": "h", "started_at": 1.0, "state": "running"}
+    info = SupervisorInfo.parse(json.dumps(old))
+    assert info.control_tcp is None

@@ -12,14 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from tests.bench_supervisor import chaos, supervise
 from tests.conftest import (
-    REPO,
     events,
+    stalled_rules,
     start_monitor,
     step_records,
     stop_process,
@@ -102,14 +100,7 @@ def test_a_hung_run_is_restarted_when_training_stalled_fires(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
     """The shipped TrainingStalled with a 3 s threshold and a 2 s ``for``."""
-    rules = yaml.safe_load((REPO / "alerts" / "lossguard.rules.yml").read_text())
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            if rule.get("alert") == "TrainingStalled":
-                rule["expr"] = rule["expr"].replace("> 300", "> 3")
-                rule["for"] = "2s"
-    rules_file = tmp_path / "rules.yml"
-    rules_file.write_text(yaml.safe_dump(rules, sort_keys=False))
+    rules_file = stalled_rules(tmp_path)
     runs = tmp_path / "runs"
     monitor_config, _ = write_monitor_config(
         tmp_path / "monitor.yml", [rules_file], scrape={"runs_root": str(runs)}

@@ -16,6 +16,7 @@ from typing import Any
 from lossguard.agent.control.offline import checkpoints_on_disk, dead_agent
 from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from lossguard.common.console import format_duration
+from lossguard.common.control.bearer import DEFAULT_TOKEN_ENV
 from lossguard.common.control.client import (
     ControlClient,
     ControlError,
@@ -28,7 +29,6 @@ from lossguard.common.rundir.names import CHECKPOINT_DIR, SOCKET_NAME
 EXIT_REFUSED = 1
 EXIT_UNREACHABLE = 3
 EXIT_TIMEOUT = 4
-DEFAULT_TOKEN_ENV = "LOSSGUARD_CONTROL_TOKEN"
 
 EPILOG = f"""\
 The agent replies once the command is applied at a step boundary (a save, once the checkpoint

@@ -36,16 +36,13 @@ from lossguard.common.catalogue import (
     SIGNALS,
 )
 from lossguard.common.config import ConfigError
+from lossguard.common.control.address import SUPERVISOR_CONTROL_ENV, public_host
+from lossguard.common.control.protocol import PROTOCOL_VERSION
 from lossguard.common.registry import AgentMetrics
 from lossguard.common.rundir.checkpoints import CheckpointMeta
 from lossguard.common.rundir.directory import git_commit
 
 log = logging.getLogger("lossguard.agent")
-
-
-def public_host(bind_host: str) -> str:
-    """The host name to put in URLs for a server bound to ``bind_host``."""
-    return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
 SignalStats = dict[str, dict[str, float]]
@@ -145,7 +142,13 @@ class Telemetry:
         self.fp8_overflow: tuple[str, float] | None = None
         """The last FP8 sample's worst overflow ratio and its tensor (None before one)."""
         self._last_step_time = time.perf_counter()
+        self._last_step_clock = time.monotonic()
+        self.metrics.track(
+            "last_step_age_seconds", lambda: time.monotonic() - self._last_step_clock
+        )
         self._publish_static(model, run_id)
+        if rank != 0:  # rank 0 announces once its control server listens (``announce``)
+            self.announce(control=None)
 
     # ------------------------------------------------------------ per step
 
@@ -163,6 +166,7 @@ class Telemetry:
         now = time.perf_counter()
         self.metrics.observe("step_duration_seconds", now - self._last_step_time)
         self._last_step_time = now
+        self._last_step_clock = time.monotonic()
         self.metrics.set("step", step)
         self.metrics.set("last_step_timestamp_seconds", time.time())
 
@@ -390,6 +394,20 @@ class Telemetry:
             self.metrics.set("level_shift_step", -1, signal=signal)
         if self.peak is not None:
             self.metrics.set("peak_flops", self.peak.flops, source=self.peak.source)
+
+    def announce(self, control: str | None) -> None:
+        """Export ``agent_info`` with rank 0's advertised TCP control address (None: no TCP
+        control, or another rank) and the supervisor's, from the environment it set."""
+        self.metrics.clear("agent_info")
+        self.metrics.set(
+            "agent_info",
+            1,
+            host=socket.gethostname(),
+            node=os.environ.get("GROUP_RANK") or os.environ.get("SLURM_NODEID") or "0",
+            control=control or "",
+            supervisor=os.environ.get(SUPERVISOR_CONTROL_ENV, ""),
+            protocol=str(PROTOCOL_VERSION),
+        )
 
     def checkpoint_started(self) -> None:
         self.metrics.set("checkpoint_in_progress", 1)

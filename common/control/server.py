@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from lossguard.common.control.address import join_address
 from lossguard.common.control.gate import PeerGate
 from lossguard.common.control.protocol import (
     COMMAND_ARGS,
@@ -143,10 +144,11 @@ class ControlServer:
             self._listeners.append((_bind_unix(socket_path), False))
         if tcp is not None:
             try:
-                self._listeners.append((socket.create_server(tcp), True))
+                family = socket.AF_INET6 if ":" in tcp[0] else socket.AF_INET
+                self._listeners.append((socket.create_server(tcp, family=family), True))
             except OSError as exc:
                 self.close()
-                message = f"cannot listen on {tcp[0]}:{tcp[1]} ({exc.strerror})"
+                message = f"cannot listen on {join_address(*tcp)} ({exc.strerror})"
                 raise ListenError("tcp", message) from None
 
     @property

@@ -100,7 +100,7 @@ class RunDirectory:
         except ValueError as exc:
             raise ConfigError(f"run.dir: {exc}") from None
         self.dir_mode = PRIVATE_DIR if mode is None else mode
-        """The mode of the folders a run writes (checkpoints, heartbeats)."""
+        """The mode of the folders a run writes (checkpoints)."""
         self.file_mode = self.dir_mode & 0o666
         self.metrics = JsonlLog(self.path / METRICS_LOG, self.file_mode)
         self.events = JsonlLog(self.path / EVENTS_LOG, self.file_mode)

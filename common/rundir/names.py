@@ -10,5 +10,4 @@ SUPERVISOR_FILE = "supervisor.json"
 SUPERVISOR_SOCKET = "supervisor.sock"
 SOCKET_NAME = "control.sock"  # the agent's control socket
 CHECKPOINT_DIR = "checkpoints"
-HEARTBEAT_DIR = "heartbeats"  # heartbeats/<hostname>-<pid>.json: rank 0's sign of life
 COORDINATION_DIR = "supervisors"  # the supervisors of a multi-node run agree through it

@@ -2,8 +2,10 @@
 "Supervisor").
 
 Written by ``lossguard-supervise`` into the run directory whenever its state changes; read by
-the monitor's discovery (the supervisor's exporter, its control socket for the ``restart``
-action, and whether a dead agent is being restarted) and by ``lossguard-ctl``.
+the monitor's discovery (the supervisor's exporter, its control socket, or with
+``--control-tcp`` its advertised TCP address, for the ``restart`` action, and whether a dead
+agent is being restarted) and by ``lossguard-ctl``. Fields a newer supervisor adds are
+ignored; ``control_tcp`` is absent from an older supervisor's file (None).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class SupervisorInfo:
     child_pid: int | None = None
     restarts: int = 0
     version: str | None = None
+    control_tcp: str | None = None  # HOST:PORT others reach the control at (TCP, token)
 
     def with_state(self, state: SupervisorState, **changes: Any) -> SupervisorInfo:
         return dataclasses.replace(self, state=state, **changes)

@@ -31,6 +31,7 @@ from lossguard.monitor.actions.store import ActionStore
 from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
+from lossguard.monitor.sources.announced import AnnouncedRuns
 from lossguard.monitor.state import StateStore
 
 log = logging.getLogger("lossguard.monitor.actions")
@@ -56,6 +57,7 @@ class Actions:
         silences: SilenceStore,
         *,
         runs_root: Path | None,
+        announced: AnnouncedRuns | None = None,
         config_path: str | None = None,
         observe: Observe,
         on_done: Done,
@@ -72,7 +74,7 @@ class Actions:
         self.raised = RaisedAlerts(state)
         self.outcomes = Outcomes(self.raised, announce_for_s)
         self.planner = ActionPlanner(config, self.store, silences, self.outcomes, observe, step_of)
-        self.endpoints = Endpoints(config, runs_root, seconds(config.timeout))
+        self.endpoints = Endpoints(config, runs_root, seconds(config.timeout), announced)
         self.config_path = config_path
         self.runner = ActionRunner(
             self.store,

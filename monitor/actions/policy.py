@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from lossguard.common.config import Section, seconds
+from lossguard.common.control.bearer import DEFAULT_TOKEN_ENV
 from lossguard.common.control.protocol import parse_target
 
 ACTION_LABEL = "action"
@@ -132,11 +133,12 @@ class ActionsConfig(Section):
     rollback: RollbackPolicy = Field(default_factory=RollbackPolicy)
     agents: dict[str, str] = Field(
         default_factory=dict,
-        description="run_id: HOST:PORT of the control TCP listener of agents on other hosts "
-        "(agents under scrape.runs_root are reached through their control socket).",
+        description="run_id: HOST:PORT of a run's control TCP listener: an override of the "
+        "address the run announces (lossguard_agent_info) and of its socket under "
+        "scrape.runs_root.",
     )
     token_env: str = Field(
-        default="LOSSGUARD_CONTROL_TOKEN",
+        default=DEFAULT_TOKEN_ENV,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Environment variable holding the agents' TCP control token.",
     )

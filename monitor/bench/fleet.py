@@ -46,6 +46,12 @@ class SimulatedAgent:
         m.observe("checkpoint_save_duration_seconds", 4.2)
         for kind in CHECKPOINT_KINDS:
             m.set("checkpoint_step", 0, kind=kind)
+        host = f"gpu{index:03d}"
+        m.set("agent_info", 1, host=host, node="0", control=f"{host}:9420",
+              supervisor=f"{host}:9421", protocol="1")  # fmt: skip
+        for signal in ("loss", "grad_norm"):
+            m.set("nonfinite_step", -1, signal=signal)
+        m.set("level_shift_step", -1, signal="loss")
 
     def advance(self) -> None:
         """One step later: step and tokens grow, loss drifts down, the rest jitters."""
@@ -54,6 +60,7 @@ class SimulatedAgent:
         self.loss = max(1.5, self.loss * 0.999 + jitter(-0.02, 0.02))
         m.set("step", self.step)
         m.set("last_step_timestamp_seconds", time.time())
+        m.set("last_step_age_seconds", jitter(0.0, 0.3))
         m.observe("step_duration_seconds", jitter(0.2, 0.4))
         m.inc("tokens", TOKENS_PER_STEP)
         m.set("tokens_per_second", TOKENS_PER_STEP / 0.3 * jitter(0.95, 1.05))

@@ -58,7 +58,7 @@ def control_route(
         except ProtocolError as exc:
             return api_error(400, exc.message)
         files = read_runs(runs_root).get(run_id)
-        if files is None and run_id not in endpoints.config.agents:
+        if files is None and not endpoints.knows(run_id):
             return api_error(404, f"run {run_id!r} is not known to the monitor")
         if files is not None and files.agent.ended_cleanly:
             return api_error(503, f"run {run_id!r} has ended ({files.agent.exit}): no agent")

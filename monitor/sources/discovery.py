@@ -23,7 +23,7 @@ from lossguard.common.ownership import distrust_file, trusted_owners
 from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.common.rundir.names import AGENT_FILE, SOCKET_NAME, SUPERVISOR_FILE
 from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
-from lossguard.monitor.sources.liveness import DeadRun, dead_run
+from lossguard.monitor.sources.liveness import AnsweredAt, DeadRun, dead_run, never_answered
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ class DiscoveredTarget:
     rank: int
     socket_path: Path | None
     run_dir: Path
+    host: str | None = None  # the host and pid agent.json names
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,11 +94,18 @@ def discover_agents(runs_root: Path) -> list[DiscoveredTarget]:
     return [target for run in _runs(runs_root) for target in run.targets]
 
 
-def discover(runs_root: Path, *, now: float, forget_after_s: float) -> Discovery:
+def discover(
+    runs_root: Path,
+    *,
+    now: float,
+    forget_after_s: float,
+    answered_at: AnsweredAt = never_answered,
+) -> Discovery:
     """The runs under ``runs_root`` as the scraper sees them: the ranks to scrape, the live
-    supervisors' exporters, and the runs whose process is known dead on this host (the newest
-    ``agent.json`` of a run decides). A dead run is forgotten ``forget_after_s`` after its
-    last sign of life (at ``now``)."""
+    supervisors' exporters, and the runs whose process is known dead (the newest
+    ``agent.json`` of a run decides; ``answered_at``: when the scraper last reached a remote
+    run's rank 0). A dead run is forgotten ``forget_after_s`` after its last sign of life (at
+    ``now``)."""
     hostname = socket.gethostname()
     agents: list[DiscoveredTarget] = []
     dead: list[DeadRun] = []
@@ -105,7 +114,7 @@ def discover(runs_root: Path, *, now: float, forget_after_s: float) -> Discovery
         if run.info.run_id in seen:
             continue
         seen.add(run.info.run_id)
-        gone = dead_run(run.info, run.run_dir, hostname)
+        gone = dead_run(run.info, run.run_dir, hostname, answered_at, now)
         if gone is None:
             agents.extend(run.targets)
         elif now - gone.last_seen <= forget_after_s:
@@ -192,7 +201,7 @@ def _parse(run_dir: Path, data: bytes) -> _Run:
         raise ValueError(f"socket: {info.socket!r} is not the run directory's {SOCKET_NAME}")
     socket_path = run_dir / SOCKET_NAME if info.socket else None
     targets = [
-        DiscoveredTarget(url, info.run_id, rank, socket_path, run_dir)
+        DiscoveredTarget(url, info.run_id, rank, socket_path, run_dir, info.hostname, info.pid)
         for rank, url in enumerate(info.metrics_urls)
     ]
     return _Run(info, run_dir, targets)

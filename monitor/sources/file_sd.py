@@ -5,14 +5,21 @@ whenever what discovery finds changes. Runs whose process died on this host are 
 monitor reports them as ``lossguard_run_exited_timestamp_seconds``), as the scraper does.
 
 A Prometheus ``file_sd_configs`` entry on that file (with ``honor_labels: true``, see
-``deploy/prometheus.yml``) then scrapes exactly what the monitor scrapes."""
+``deploy/prometheus.yml``) then scrapes exactly what the monitor scrapes.
+
+The other way round, :func:`read_file_sd` takes the targets of the file_sd files a job writes
+(``scrape.file_sd_files``, deploy/slurm/) as the scraper's, as Prometheus reads them."""
 
 from __future__ import annotations
 
+import functools
+import glob
+import hashlib
 import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,6 +57,48 @@ def file_sd_groups(found: Discovery, *, job: str = AGENT_JOB) -> list[dict[str, 
         key = (SUPERVISOR_JOB, supervisor.run_id, "")
         groups[key] = _entry(supervisor.url, {"job": SUPERVISOR_JOB, "run_id": supervisor.run_id})
     return [groups[key] for key in sorted(groups)]
+
+
+def read_file_sd(patterns: Iterable[str]) -> list[str]:
+    """The metrics URLs of every target group in the files matching ``patterns`` (globs), in
+    file order: ``http://HOST:PORT/metrics``, or the group's ``__scheme__`` and
+    ``__metrics_path__``. A file that cannot be read or is not file_sd JSON is skipped, with
+    one warning per file and content."""
+    urls: list[str] = []
+    for path in sorted({p for pattern in patterns for p in glob.glob(pattern)}):
+        try:
+            data = Path(path).read_bytes()
+        except OSError:
+            continue  # removed while listing: its job ended
+        try:
+            urls += _urls(json.loads(data))
+        except (ValueError, TypeError, KeyError) as exc:
+            _warn_unreadable(path, hashlib.sha256(data).hexdigest(), str(exc))
+    return list(dict.fromkeys(urls))
+
+
+def _urls(groups: Any) -> list[str]:
+    """The URLs of file_sd target groups; ValueError names what is not file_sd."""
+    if not isinstance(groups, list):
+        raise ValueError("not a list of target groups")
+    urls = []
+    for group in groups:
+        labels = group.get("labels") or {}
+        targets = group["targets"]
+        if not isinstance(targets, list) or not isinstance(labels, dict):
+            raise ValueError("a group's targets must be a list and its labels a mapping")
+        scheme = labels.get("__scheme__", "http")
+        path = labels.get("__metrics_path__", "/metrics")
+        for target in targets:
+            url = f"{scheme}://{target}{path}"
+            instance_of(url)  # ValueError: not HOST:PORT
+            urls.append(url)
+    return urls
+
+
+@functools.lru_cache(maxsize=1024)
+def _warn_unreadable(path: str, digest: str, reason: str) -> None:
+    log.warning("file_sd: skipping %s: %s", path, reason)
 
 
 class FileSdWriter:

@@ -2,8 +2,11 @@
 
 A run whose ``agent.json`` names this host and a pid that no longer runs is dead: it ended
 without ending cleanly (``exit`` failed, or no ``exit`` at all: killed, a segfault, the OOM
-killer). Its ranks are not scraped; instead the monitor writes one series per dead run,
-:data:`RUN_EXITED`, on its own scrape path and on its ``/metrics`` (docs/monitor.md).
+killer). A run on another host is judged from what the monitor scrapes, on the monitor's own
+clock, never from file times: it recorded a failure, or its rank 0, which answered the
+monitor's scrapes before, has not answered for :data:`REMOTE_DEAD_AFTER_S`. Its ranks are not
+scraped; instead the monitor writes one series per dead run, :data:`RUN_EXITED`, on its own
+scrape path and on its ``/metrics`` (docs/monitor.md).
 """
 
 from __future__ import annotations
@@ -11,12 +14,12 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.common.rundir.checkpoints import list_checkpoints
-from lossguard.common.rundir.heartbeat import REMOTE_DEAD_AFTER_S, last_beat
 from lossguard.common.rundir.metrics_log import LastLogged, last_logged
 from lossguard.common.rundir.names import AGENT_FILE, CHECKPOINT_DIR
 from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
@@ -27,7 +30,8 @@ LAST_STEP_LABEL = "last_step"
 RUN_EXITED_LABELS = ("run_id", "host", "exit", LAST_STEP_LABEL, "last_checkpoint", "supervisor")
 RUN_EXITED_HELP = (
     "Present while a run's training process is known dead without having ended cleanly (on the "
-    "monitor's host: its pid is gone; on another: its heartbeat is silent or it failed): when "
+    "monitor's host: its pid is gone; on another: it failed, or its rank 0 stopped answering "
+    "the monitor's scrapes): when "
     "it was last alive (Unix seconds). host: the host it ran on; exit: "
     "crashed (no exit in agent.json) or agent.json's exit; last_step: its last logged step; "
     "last_checkpoint: its newest checkpoint and whether it is healthy; supervisor: "
@@ -38,6 +42,22 @@ SUPERVISOR_RESTARTING = "restarting"
 SUPERVISOR_CRASH_LOOP = "crash_loop"
 NO_SUPERVISOR = "none"
 DEFAULT_FORGET_AFTER_S = 24 * 3600.0
+REMOTE_DEAD_AFTER_S = 60.0
+"""A run on another host whose rank 0 stopped answering scrapes this long ago is dead."""
+
+Incarnation = tuple[str, str | None, int | None]
+"""One process of a run: its run id, host and pid, as its ``agent.json`` names them."""
+AnsweredAt = Callable[[Incarnation], float | None]
+"""When the monitor last scraped the incarnation's rank 0 (its clock; None: never)."""
+
+
+def never_answered(incarnation: Incarnation) -> None:
+    """For a caller that does not scrape: no run on another host is judged by its scrapes."""
+    return None
+
+
+def incarnation_of(info: AgentInfo) -> Incarnation:
+    return (info.run_id, info.hostname, info.pid)
 
 
 @dataclass(frozen=True)
@@ -77,15 +97,24 @@ class DeadRun:
         )
 
 
-def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
+def dead_run(
+    info: AgentInfo,
+    run_dir: Path,
+    hostname: str,
+    answered_at: AnsweredAt = never_answered,
+    now: float | None = None,
+) -> DeadRun | None:
     """The run of ``info`` if its process is known dead: on this host (``hostname``), its pid
     no longer runs; on another host (its pid is never probed here), it recorded a failure or
-    its heartbeat is silent (``remote_dead``). None while it lives, or when this host cannot
-    tell (no pid; an agent from before heartbeats)."""
+    its scrapes stopped answering (``remote_dead``). None while it lives, or when this host
+    cannot tell (no pid; a remote run never scraped by this monitor)."""
     if info.pid is None:
         return None
-    if info.hostname != hostname:
-        if not remote_dead(info, run_dir, time.time()):
+    now = time.time() if now is None else now
+    remote = info.hostname != hostname
+    answered = answered_at(incarnation_of(info)) if remote else None
+    if remote:
+        if not remote_dead(info, answered, now):
             return None
     elif pid_alive(info.pid):
         return None
@@ -94,8 +123,10 @@ def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
     except OSError:
         return None  # removed meanwhile
     logged, checkpoint = _what_is_left(run_dir, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
-    beat = last_beat(run_dir, info.hostname or hostname, info.pid)
-    signs = (info.finished_at, logged.time, stat.st_mtime, beat)
+    # a remote run's signs of life are what the monitor saw, not its files' times
+    signs = (
+        (info.finished_at, answered) if remote else (info.finished_at, logged.time, stat.st_mtime)
+    )
     return DeadRun(
         run_id=info.run_id,
         run_dir=run_dir,
@@ -110,14 +141,13 @@ def dead_run(info: AgentInfo, run_dir: Path, hostname: str) -> DeadRun | None:
     )
 
 
-def remote_dead(info: AgentInfo, run_dir: Path, now: float) -> bool:
+def remote_dead(info: AgentInfo, answered: float | None, now: float) -> bool:
     """Whether the process of an ``agent.json`` written on another host is dead: it recorded
-    that it failed, or its heartbeat has been silent longer than ``REMOTE_DEAD_AFTER_S``."""
+    that it failed, or its rank 0, last answering the monitor's scrape at ``answered``, has
+    not answered for longer than ``REMOTE_DEAD_AFTER_S`` (both on the monitor's clock)."""
     if info.finished_at is not None:
         return True  # discovery keeps only runs that did not end on purpose: a failure
-    assert info.pid is not None and info.hostname is not None
-    beat = last_beat(run_dir, info.hostname, info.pid)
-    return beat is not None and now - beat > REMOTE_DEAD_AFTER_S
+    return answered is not None and now - answered > REMOTE_DEAD_AFTER_S
 
 
 @functools.lru_cache(maxsize=1024)

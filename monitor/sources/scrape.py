@@ -43,7 +43,13 @@ from lossguard.monitor.sources.discovery import (
 )
 from lossguard.monitor.sources.exposition import ExpositionParser
 from lossguard.monitor.sources.fetch import Connection, ScrapeError, ScrapeLoop
-from lossguard.monitor.sources.liveness import DEFAULT_FORGET_AFTER_S, RUN_EXITED, DeadRun
+from lossguard.monitor.sources.file_sd import read_file_sd
+from lossguard.monitor.sources.liveness import (
+    DEFAULT_FORGET_AFTER_S,
+    RUN_EXITED,
+    DeadRun,
+    Incarnation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +157,7 @@ class ScrapeSource:
         *,
         static_targets: list[str],
         runs_root: Path | None,
+        file_sd_files: list[str] | None = None,
         interval_s: float = 1.0,
         timeout_s: float | None = None,
         job: str = "lossguard-agent",
@@ -170,6 +177,7 @@ class ScrapeSource:
         for url in static_targets:
             instance_of(url)  # a bad URL fails here, not at the first scrape
         self.static_targets = list(dict.fromkeys(static_targets))
+        self.file_sd_files = list(file_sd_files or [])
         self.runs_root = runs_root
         self.interval_s = interval_s
         self.timeout_s = min(interval_s, MAX_TIMEOUT_S) if timeout_s is None else timeout_s
@@ -181,6 +189,8 @@ class ScrapeSource:
         self._clock = clock
         self._targets: dict[TargetKey, _Target] = {}
         self._dead: tuple[list[DeadRun], list[TargetStatus]] = ([], [])
+        self._rank0: dict[TargetKey, Incarnation] = {}  # the process each rank 0 target is
+        self._answered: dict[Incarnation, float] = {}  # its last successful scrape
         self._exits = _Written()
         self._loop = ScrapeLoop(max_concurrent)
         self._cycle = threading.Lock()
@@ -237,6 +247,7 @@ class ScrapeSource:
             t = round((self._clock() if t is None else t) * 1000) / 1000
             targets = self._sync(t)
             self._loop.run([functools.partial(target.scrape, t) for target in targets])
+            self._note_answers(t)
             self.storage.truncate(self._cut(t))
             if self._history_start is None:
                 self._history_start = t
@@ -249,11 +260,19 @@ class ScrapeSource:
         wanted: dict[TargetKey, tuple[str, str, dict[str, str]]] = {}
         dead: list[DeadRun] = []
         if self.runs_root is not None:
-            found = discover(self.runs_root, now=t, forget_after_s=self.forget_dead_after_s)
+            found = discover(
+                self.runs_root,
+                now=t,
+                forget_after_s=self.forget_dead_after_s,
+                answered_at=self._answered.get,
+            )
+            self._rank0 = {}
             for agent in found.agents:
                 owner = {"run_id": agent.run_id, "rank": str(agent.rank)}
                 rank_key = (self.job, agent.run_id, str(agent.rank))
                 wanted.setdefault(rank_key, (agent.url, self.job, owner))
+                if agent.rank == 0:
+                    self._rank0.setdefault(rank_key, (agent.run_id, agent.host, agent.pid))
             for supervisor in found.supervisors:
                 owner = {"run_id": supervisor.run_id}
                 wanted[(SUPERVISOR_JOB, supervisor.run_id, "")] = (
@@ -263,7 +282,8 @@ class ScrapeSource:
                 )
             dead = found.dead
         discovered = {url for url, _, _ in wanted.values()}
-        static = (url for url in self.static_targets if url not in discovered)
+        listed = self.static_targets + read_file_sd(self.file_sd_files)
+        static = (url for url in dict.fromkeys(listed) if url not in discovered)
         wanted.update((url, (url, self.job, {})) for url in static)
         current = self._targets
         targets: dict[TargetKey, _Target] = {}
@@ -285,6 +305,16 @@ class ScrapeSource:
                 old.forget(t)
         self._write_dead(dead, t)
         return list(targets.values())
+
+    def _note_answers(self, t: float) -> None:
+        """Remember when each run's rank 0 process last answered (the monitor's clock: how a
+        run on another host is judged alive); forget what is older than a dead run is kept."""
+        for key, incarnation in self._rank0.items():
+            target = self._targets.get(key)
+            if target is not None and target.status.up:
+                self._answered[incarnation] = t
+        horizon = t - self.forget_dead_after_s
+        self._answered = {k: at for k, at in self._answered.items() if at >= horizon}
 
     def _write_dead(self, dead: list[DeadRun], t: float) -> None:
         """Each dead run's :data:`RUN_EXITED` sample (its last sign of life) and its ranks'
