@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, NoReturn
 
 from lossguard.agent.quick_exit import exit_without_teardown
 from lossguard.agent.stop_signals import caught_for_guard, ignore_stop_signals
-from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, add_override_option
+from lossguard.common.cli import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_override_option,
+    quiet_on_closed_pipe,
+)
 from lossguard.common.exitcodes import EXIT_PERMANENT
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
 
@@ -213,6 +219,7 @@ def _bench(args: argparse.Namespace, cfg: Config) -> int:
     return EXIT_OK
 
 
+@quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # run: a stop signal from here on is acted on at the first step boundary (the Guard takes

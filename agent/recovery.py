@@ -153,7 +153,7 @@ class Recovery:
     in-memory snapshots (None: off; under sharding, of this rank's shards); ``sharded``, for a
     sharded model, writes and reads ``dcp`` checkpoints on every rank
     (``checkpoint.dcp_format``); ``healthy_now`` says whether this rank is healthy at this
-    boundary (DESIGN.md ``last_good``); ``on_restored`` runs after every restore; ``event``
+    boundary (docs/design.md ``last_good``); ``on_restored`` runs after every restore; ``event``
     appends to the audit trail.
     """
 

@@ -1,4 +1,4 @@
-"""The agent's metric catalogue (DESIGN.md "Metric catalogue"): every series the agent exports,
+"""The agent's metric catalogue (docs/design.md "Metric catalogue"): every series the agent exports,
 with its type, help and labels. The agent registers it; the monitor, the rules and the dashboards
 read these names, so a metric is declared here once. The monitor's own catalogue has the same
 shape; ``register_metric`` puts an entry of either on a registry.

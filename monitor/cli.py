@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lossguard.common.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_override_option
+from lossguard.common.cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_override_option,
+    quiet_on_closed_pipe,
+)
 from lossguard.common.config import ConfigError
 from lossguard.common.console import setup_logging
 from lossguard.monitor.rules.rulefile import RuleError, load_rule_file
@@ -266,6 +272,7 @@ def report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()

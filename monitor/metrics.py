@@ -58,7 +58,8 @@ CATALOGUE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "actions": (
         "counter",
         "Actions by result: applied, failed, retry (not delivered, will be retried), held "
-        "(by a silence), dry_run, refused (an Alertmanager alert not acted on).",
+        "(by a silence), dropped (held until its alert ended), dry_run, refused (an "
+        "Alertmanager alert not acted on), nothing_to_restore.",
         ("action", "result"),
     ),
     "discovery_refusals": (

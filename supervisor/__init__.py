@@ -1,4 +1,4 @@
-"""The supervisor: keeps a training command alive (DESIGN.md "Supervisor").
+"""The supervisor: keeps a training command alive (docs/design.md "Supervisor").
 
 ``process`` runs the command in a process group of its own and ``tree`` keeps its whole
 process tree in reach, ``resume`` picks the checkpoint a restart resumes from, ``budget`` paces

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lossguard.common.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from lossguard.common.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, quiet_on_closed_pipe
 from lossguard.common.config import ConfigError, seconds
 from lossguard.common.console import setup_logging
 from lossguard.common.control.address import join_address, split_address
@@ -298,6 +298,7 @@ def _ask(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

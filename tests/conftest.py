@@ -20,6 +20,11 @@ import torch
 import yaml
 
 from lossguard.agent.config import Config, parse_config
+from tests.live_marker import (  # noqa: F401 (the live marker's hooks)
+    pytest_configure,
+    pytest_runtest_protocol,
+    pytest_runtest_teardown,
+)
 
 # One intra-op thread per test process: pytest-xdist runs one worker per core, and torch's
 # default (a thread per core in every worker) oversubscribes the cores several times over.

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
 from tests.alert_stack import MONITOR_WEBHOOK_PATH, alert_stack
@@ -33,6 +34,8 @@ from tests.conftest import (
     write_monitor_config,
 )
 from tests.test_actions_live import agent_settings, rollbacks, shipped_rule
+
+pytestmark = pytest.mark.live
 
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "am-to-monitor-test-token"

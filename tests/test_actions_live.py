@@ -22,6 +22,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 import yaml
 
@@ -41,6 +42,8 @@ from tests.conftest import (
     write_monitor_config,
 )
 from tests.fake_receivers import FakePagerDuty, FakeSlack
+
+pytestmark = pytest.mark.live
 
 SHIPPED_RULES = REPO / "alerts" / "lossguard.rules.yml"
 RUNBOOKS = "https://runbooks.example/lossguard/"

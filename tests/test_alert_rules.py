@@ -18,6 +18,8 @@ from lossguard.monitor.promql import check
 from lossguard.monitor.rules.templating import check_template
 from tests.conftest import monitor_cli
 
+pytestmark = pytest.mark.live
+
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "alerts" / "lossguard.rules.yml"
 TEST_FILES = sorted((REPO / "alerts" / "tests").glob("*.test.yml"))

@@ -23,6 +23,8 @@ from lossguard.monitor.rules.ruleset import RuleSet
 from tests.conftest import monitor_cli
 from tests.promserver import promtool_test_rules
 
+pytestmark = pytest.mark.live
+
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "alerts" / "lossguard.rules.yml"
 STEP_MIN = 5  # minutes between samples and between evaluations

@@ -34,6 +34,8 @@ from .amserver import AlertmanagerServer, alertmanager, capture_server
 from .conftest import REPO, wait_for
 from .webauth import WebAuth
 
+pytestmark = pytest.mark.live
+
 SHIPPED_AM = REPO / "alerts" / "alertmanager.yml"
 SHIPPED_MONITOR = REPO / "deploy" / "monitor.yml"
 

@@ -21,6 +21,8 @@ from lossguard.agent.telemetry.diagnosis import PrecisionHistory, diagnose
 from .conftest import count_host_reads
 from .test_diagnosis import context
 
+pytestmark = pytest.mark.live
+
 VOCAB = 256
 ROWS, COLUMNS = 8, 64
 

@@ -32,6 +32,8 @@ from lossguard.common.rundir.checkpoints import (
     checkpoint_name,
 )
 
+pytestmark = pytest.mark.live
+
 LOGGER = "lossguard.agent.checkpoint"
 META_FIELDS = {
     "name",

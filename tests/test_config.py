@@ -14,6 +14,8 @@ from lossguard.common.config import ConfigError
 
 from .conftest import REPO, run_cli
 
+pytestmark = pytest.mark.live
+
 
 def test_shipped_configs_are_valid() -> None:
     demo = load_config(REPO / "configs/demo.yaml")

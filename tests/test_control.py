@@ -27,6 +27,8 @@ from lossguard.common.rundir.directory import RunDirectory
 
 from .conftest import events, sliced_settings, start_agent, wait_for, write_config
 
+pytestmark = pytest.mark.live
+
 TOKEN = "s3cret-token-for-tests"
 
 

@@ -27,6 +27,8 @@ from lossguard.common.control.server import ControlServer
 
 from .conftest import run_cli, tiny_settings, wait_for, write_config
 
+pytestmark = pytest.mark.live
+
 TOKEN = "tcp-test-token-0123456789"
 
 

@@ -37,6 +37,8 @@ from lossguard.common.control.protocol import (
 )
 from lossguard.common.rundir.names import SOCKET_NAME
 
+pytestmark = pytest.mark.live
+
 TOKEN = "s3cret-token-4f9a1c"
 CREATED = 1_700_000_000.0
 STATUS: dict[str, Any] = {

@@ -30,6 +30,8 @@ from lossguard.common.rundir.supervisor_file import SupervisorInfo
 
 from .conftest import REPO, events, sliced_settings, start_agent, wait_for, write_config
 
+pytestmark = pytest.mark.live
+
 
 def ctl(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))

@@ -16,6 +16,8 @@ from lossguard.common import catalogue
 from lossguard.monitor import metrics as monitor_metrics
 from lossguard.supervisor import metrics as supervisor_metrics
 
+pytestmark = pytest.mark.live
+
 JSON_DIR = Path(__file__).resolve().parents[1] / "dashboards" / "json"
 UIDS = ("lossguard-run", "lossguard-fleet", "lossguard-monitor")
 METRIC = re.compile(r"\blossguard_[a-z0-9_]+")

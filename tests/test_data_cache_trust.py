@@ -26,6 +26,8 @@ from lossguard.agent.train.corpus import (
 )
 from tests.conftest import run_cli, write_config
 
+pytestmark = pytest.mark.live
+
 NOBODY = 65534
 POISON = 65  # the token the attacker's files hold
 

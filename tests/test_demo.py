@@ -30,6 +30,8 @@ from lossguard.monitor.demo.watch import AlertChange, Happening, RunStatus, Sent
 from tests.conftest import monitor_cli, run_cli
 from tests.fake_receivers import slack_problem
 
+pytestmark = pytest.mark.live
+
 TINY = (
     "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=64",
     "train.batch_size=8", "train.eval_batches=2", "data.max_bytes=400000",

@@ -37,6 +37,8 @@ from .conftest import (
 from .promserver import PromServer, exposition_server, prometheus, prometheus_binary, running
 from .webauth import WebAuth
 
+pytestmark = pytest.mark.live
+
 HOST = socket.gethostname()
 RULES = REPO / "alerts" / "lossguard.rules.yml"
 PROMETHEUS_YML = REPO / "deploy" / "prometheus.yml"

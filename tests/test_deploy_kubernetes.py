@@ -28,6 +28,8 @@ from lossguard.supervisor.cli import build_parser
 from lossguard.supervisor.multinode import placement
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.live
+
 KUBERNETES = REPO / "deploy" / "kubernetes"
 VERSION = "1.31.0"  # podFailurePolicy is GA from 1.31
 

@@ -14,6 +14,8 @@ import yaml
 from lossguard.monitor.config import load_monitor_config
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.live
+
 SLURM = REPO / "deploy" / "slurm"
 
 

@@ -26,6 +26,8 @@ from lossguard.common.exitcodes import EXIT_STOPPED
 
 from .conftest import events, sliced_settings, start_agent, wait_for, write_config
 
+pytestmark = pytest.mark.live
+
 INF = float("inf")
 
 

@@ -18,6 +18,8 @@ from lossguard.agent.train.trainer import Trainer
 from .conftest import events, sliced_settings, write_config
 from .test_sharded import finished, torchrun
 
+pytestmark = pytest.mark.live
+
 FAULT_STEP = 60
 QUIET = "learning rate on schedule"
 

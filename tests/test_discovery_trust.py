@@ -21,6 +21,8 @@ from lossguard.monitor.sources.discovery import discover_agents, trust_owners
 
 from .conftest import start_monitor, stop_process, wait_for, write_monitor_config
 
+pytestmark = pytest.mark.live
+
 NOBODY = 65534  # another local user
 HOST = socket.gethostname()
 

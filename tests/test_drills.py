@@ -19,6 +19,8 @@ from tests.drill_catalog import CATALOG, Outcome
 from tests.drill_runner import Options, run_catalog, shipped_with_receivers
 from tests.fake_receivers import FakePagerDuty, FakeSlack
 
+pytestmark = pytest.mark.live
+
 SHORT = ("lr-x1000", "one-nan", "fault-free")  # the longest first: two train at once
 SETTLE_S = 35.0
 

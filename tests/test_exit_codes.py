@@ -32,6 +32,8 @@ from lossguard.common.exitcodes import (
 from tests.conftest import REPO, run_cli, supervisor_argv, tiny_settings, write_config
 from tests.test_guard import guard_config
 
+pytestmark = pytest.mark.live
+
 
 def test_the_documented_table_is_the_code_table() -> None:
     text = (REPO / "docs" / "exit-codes.md").read_text()

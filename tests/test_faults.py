@@ -15,6 +15,8 @@ from lossguard.agent.train.faults import FaultInjector, check_fault_ranks
 from lossguard.common.config import ConfigError
 from tests.conftest import run_cli, sliced_settings, write_config
 
+pytestmark = pytest.mark.live
+
 
 def test_a_once_fault_spares_the_replay_and_a_plain_one_recurs() -> None:
     model = torch.nn.Linear(2, 2)

@@ -12,6 +12,8 @@ from lossguard.agent.telemetry.gpu_peaks import PRECISIONS, lookup_gpu, matmul_p
 from lossguard.agent.train.flops import flops_per_token
 from lossguard.agent.train.model import GPT
 
+pytestmark = pytest.mark.live
+
 GB = 10**9
 # Device name, total memory as torch reports it, the table row it must resolve to.
 KNOWN_GPUS = [

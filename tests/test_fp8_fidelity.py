@@ -25,6 +25,8 @@ from lossguard.common.config import ConfigError
 
 from .conftest import count_host_reads, run_cli, sliced_settings
 
+pytestmark = pytest.mark.live
+
 THRESHOLD = 0.9  # FP8FidelityLow in alerts/lossguard.rules.yml
 GAUGE = "lossguard_fp8_fidelity_min_grad_cosine"
 CPU = torch.device("cpu")

@@ -45,7 +45,7 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
 
 
 def user_loop(run_dir: Path, steps: int, **train: object) -> tuple[Guard, list[float]]:
-    """A plain regression loop instrumented the way DESIGN.md shows."""
+    """A plain regression loop instrumented the way docs/design.md shows."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

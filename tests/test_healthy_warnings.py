@@ -13,6 +13,8 @@ import pytest
 from tests.bench_healthy_warnings import PACES, SPIKE_WARNINGS, judge, train
 from tests.conftest import tiny_settings, write_config
 
+pytestmark = pytest.mark.live
+
 STEPS = 400
 FAULT = "faults=[{kind: lr_scale, step: 150, duration: 1000, factor: 1000}]"
 

@@ -33,6 +33,8 @@ from tests.conftest import (
 )
 from tests.promserver import ExpositionServer
 
+pytestmark = pytest.mark.live
+
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "api-t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

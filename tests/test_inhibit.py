@@ -18,6 +18,8 @@ from lossguard.monitor.notify.inhibit import Inhibitor
 from .amserver import alertmanager
 from .conftest import wait_for
 
+pytestmark = pytest.mark.live
+
 
 def inhibitor(*rules: dict[str, Any]) -> Inhibitor:
     return Inhibitor([InhibitRuleConfig.model_validate(rule) for rule in rules])

@@ -32,6 +32,8 @@ from tests.alert_stack import webhook_receiver
 from tests.amserver import alertmanager, amtool, capture_server
 from tests.conftest import REPO, wait_for, write_monitor_config
 
+pytestmark = pytest.mark.live
+
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "s3cret-t0ken-for-tests"
 

@@ -44,6 +44,8 @@ from tests.drill_runs import same_collectives
 from tests.fsdp2_callbacks import NAN_FLAG, TinyLM, TokenData, gpt2
 from tests.integration_checks import scrape
 
+pytestmark = pytest.mark.live
+
 SCENARIOS = ("hf", "lightning")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 

@@ -1,4 +1,4 @@
-"""The shape of the house (DESIGN.md "Layout"): no import circles; ``common/`` imports nothing
+"""The shape of the house (docs/design.md "Layout"): no import circles; ``common/`` imports nothing
 else of lossguard; nothing outside ``agent/`` imports ``lossguard.agent``; the monitor and the
 supervisor import only ``common/`` beside themselves and never torch. Each wall is shown able to
 fail."""
@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.live
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {

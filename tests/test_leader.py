@@ -8,8 +8,12 @@ import dataclasses
 import time
 from pathlib import Path
 
+import pytest
+
 from lossguard.supervisor.leader import Leader
 from lossguard.supervisor.multinode import Coordination, NodeReport
+
+pytestmark = pytest.mark.live
 
 
 def running_follower(coordination: Coordination, leader: Leader, generation: int) -> NodeReport:

@@ -26,6 +26,8 @@ from .conftest import (
     write_config,
 )
 
+pytestmark = pytest.mark.live
+
 # Small windows, so that a few seconds of training hold a whole episode.
 SPIKES = {"window": 32, "min_history": 16, "recover_steps": 10, "level_shift_after": 40}
 SHIFT_AT = 60

@@ -32,6 +32,8 @@ from lossguard.monitor.sources.scrape import ScrapeSource
 from .conftest import REPO
 from .promserver import ExpositionServer, free_port
 
+pytestmark = pytest.mark.live
+
 HOST = socket.gethostname()
 DAY = 86400.0
 URL = "http://127.0.0.1:9/metrics"  # nothing listens: a dead run is never scraped

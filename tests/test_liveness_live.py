@@ -15,6 +15,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 import yaml
 
@@ -32,6 +33,8 @@ from tests.conftest import (
     write_config,
     write_monitor_config,
 )
+
+pytestmark = pytest.mark.live
 
 FOR = {"TrainingProcessDied": "6s", "LossguardAgentDown": "3s"}
 

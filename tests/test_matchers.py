@@ -20,6 +20,8 @@ from lossguard.monitor.notify.matchers import (
 
 from .amserver import amtool, write_config
 
+pytestmark = pytest.mark.live
+
 
 @pytest.mark.parametrize(
     ("text", "expected"),

@@ -6,10 +6,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from lossguard.monitor.notify.model import AlertInfo, Notification
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore
 from lossguard.monitor.state import StateStore
 from tests.conftest import REPO, monitor_cli, write_monitor_config
+
+pytestmark = pytest.mark.live
 
 RULES = REPO / "alerts" / "lossguard.rules.yml"
 

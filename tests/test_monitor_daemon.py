@@ -23,6 +23,8 @@ from tests.conftest import (
 )
 from tests.promserver import ExpositionServer, exposition_server
 
+pytestmark = pytest.mark.live
+
 RULES = """\
 groups:
   - name: test

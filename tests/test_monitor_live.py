@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,6 +40,8 @@ from tests.conftest import (
     write_monitor_config,
 )
 from tests.promserver import prometheus
+
+pytestmark = pytest.mark.live
 
 RULES = REPO / "alerts" / "lossguard.rules.yml"
 AGREEMENT_S = 6.0  # a few 1 s scrape and evaluation intervals

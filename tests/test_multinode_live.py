@@ -9,6 +9,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from tests.bench_multinode import chaos, node_report, start_nodes, two_nodes
 from tests.conftest import (
     events,
@@ -18,6 +20,8 @@ from tests.conftest import (
     wait_for,
     write_monitor_config,
 )
+
+pytestmark = pytest.mark.live
 
 
 def test_a_killed_worker_of_node_1_restarts_both_nodes_from_one_checkpoint(

@@ -16,9 +16,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import alert_events, start_monitor, stop_process, wait_for, write_monitor_config
 from tests.fake_receivers import FakePagerDuty, FakeSlack, FaultSpec
 from tests.promserver import exposition_server
+
+pytestmark = pytest.mark.live
 
 ALERTS = 4
 KILLS = 4

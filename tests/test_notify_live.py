@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
 from tests.conftest import (
@@ -27,6 +28,8 @@ from tests.conftest import (
     write_monitor_config,
 )
 from tests.fake_receivers import FakePagerDuty, FakeSlack, SlackMessage
+
+pytestmark = pytest.mark.live
 
 RULES = """
 groups:

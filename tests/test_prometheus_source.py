@@ -15,6 +15,8 @@ from lossguard.monitor.sources.prometheus import PrometheusSource
 from .conftest import wait_for
 from .promserver import ExpositionServer, PromServer, exposition_server, free_port, prometheus
 
+pytestmark = pytest.mark.live
+
 EXPOSITION = """\
 # TYPE lossguard_step gauge
 lossguard_step{run_id="r1",rank="0"} 7

@@ -37,6 +37,8 @@ from lossguard.monitor.promql.nodes import Aggregation, Binary, Call, walk
 from lossguard.monitor.promql.parser import PRECEDENCE
 from lossguard.monitor.promql.signatures import AGGREGATIONS, FUNCTIONS
 
+pytestmark = pytest.mark.live
+
 INTERVAL_S = 60
 SERIES = {
     # counters: resets, gaps, staleness markers, a late start, a series that ends (lookback)

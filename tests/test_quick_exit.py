@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.live
+
 
 def _run(script: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -41,6 +41,8 @@ from tests.conftest import (
 )
 from tests.drill_runs import ENV, TORCHRUN, finish_drill, same_collectives, start_drill
 
+pytestmark = pytest.mark.live
+
 CTL = [sys.executable, "-m", "lossguard.agent.control.ctl"]
 ROLLBACK = {"target": "last_good", "skip_batches": "abandoned"}
 TOKEN = "rank-faults-monitor-token"

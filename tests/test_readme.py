@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 import yaml
 
 from lossguard.common.exitcodes import EXIT_COMPLETED, EXIT_STOPPED
 from tests.conftest import REPO, corpus_slice, stop_process, wait_for
+
+pytestmark = pytest.mark.live
 
 README = REPO / "README.md"
 BIN = Path(sys.executable).parent

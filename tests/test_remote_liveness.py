@@ -9,10 +9,14 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.monitor.sources.liveness import REMOTE_DEAD_AFTER_S, dead_run, incarnation_of
 from lossguard.monitor.sources.scrape import ScrapeSource
 from tests.promserver import ExpositionServer
+
+pytestmark = pytest.mark.live
 
 HERE = socket.gethostname()
 REMOTE = "gpu-node-9"

@@ -34,6 +34,8 @@ from lossguard.monitor.state import StateStore
 
 from .conftest import monitor_cli, start_agent, tiny_settings, write_config
 
+pytestmark = pytest.mark.live
+
 SVG_ID = re.compile(r'id="([a-z][a-z0-9_.-]*)"')
 
 
@@ -97,13 +99,19 @@ def record_action(db: Path, run_id: str, request_id: str, at: float) -> None:
                 fingerprint="f" * 16,
                 labels={"alertname": "LossNonFinite", "run_id": run_id},
                 origin="rules",
-                args={"target": "last_good"},
+                args={"target": "last_good", "skip_batches": "abandoned", "lr_scale": 0.5},
                 state="applied",
                 created_at=at,
                 updated_at=at,
                 attempt=1,
                 of_attempts=3,
-                result={"from_step": 16, "to_step": 10},
+                result={
+                    "from_step": 16,
+                    "to_step": 10,
+                    "checkpoint": "step_00000010",
+                    "skipped_batches": 6,
+                    "lr_scale": 0.5,
+                },
             )
         )
     finally:
@@ -214,7 +222,14 @@ def test_alerts_and_actions_come_from_the_monitor_state(tmp_path: Path) -> None:
     assert {"mark-alert-0", "mark-alert-1"} <= ids and "mark-alert-2" not in ids
     page = files.html.read_text(encoding="utf-8")
     assert "still firing" in page and "loss is NaN" in page and "lg-0123-1" in page
-    assert json.dumps({"from_step": 16, "to_step": 10}) in page.replace("&quot;", '"')
+    # the action in the monitor's words (its console's, notifications', read API's), not JSON
+    actions = re.search(r'<section id="actions">(.*?)</section>', page, re.S)
+    assert actions is not None and "{" not in actions.group(1)
+    assert (
+        "<td>4</td><td>rollback</td><td>LossNonFinite</td><td>applied</td><td>rolled back from "
+        "step 16 to step 10 (step_00000010), skipped 6 batches, lr scaled by 0.5 (run&#x27;s lr "
+        "scale now 0.5), attempt 1 of 3</td><td>lg-0123-1</td>"
+    ) in actions.group(1)
 
     with pytest.raises(ReportError, match="--state: no state database at"):
         read_run(run_dir, tmp_path / "nowhere.db")

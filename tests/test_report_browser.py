@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from lossguard.agent.config import parse_config
@@ -24,6 +25,8 @@ from lossguard.monitor.report.figures import COLOURS
 
 from .conftest import events, tiny_settings, wait_for
 from .test_report import record_action, record_alert, svg_ids
+
+pytestmark = pytest.mark.live
 
 ROLLBACK_ID = "lg-0123456789abcdef-1"
 PANEL_SERIES = ("train_loss", "grad_norm", "tokens_per_second", "memory.allocated")

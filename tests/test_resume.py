@@ -29,6 +29,8 @@ from .conftest import (
     write_config,
 )
 
+pytestmark = pytest.mark.live
+
 STEPS = 40
 
 

@@ -23,6 +23,8 @@ from lossguard.monitor.notify.routing import Route, build_route, label_set_strin
 from .amserver import alertmanager, amtool, capture_server, write_config
 from .conftest import wait_for
 
+pytestmark = pytest.mark.live
+
 
 def route(text: str) -> Route:
     return build_route(RouteConfig.model_validate(yaml.safe_load(text)))

@@ -18,6 +18,8 @@ from lossguard.monitor.rules.rulefile import (
 )
 from tests.conftest import monitor_cli
 
+pytestmark = pytest.mark.live
+
 PROMTOOL = shutil.which("promtool") or "promtool"
 
 

@@ -18,6 +18,8 @@ from lossguard.common.rundir.directory import RunDirectory
 
 from .conftest import run_cli, tiny_settings, write_config
 
+pytestmark = pytest.mark.live
+
 NOBODY = 65534
 RECORDS = ("config.yaml", "env.json", "agent.json", "metrics.jsonl", "events.jsonl")
 

@@ -41,6 +41,8 @@ from tests.conftest import (
 )
 from tests.test_actions_live import actions_in, shipped_rule
 
+pytestmark = pytest.mark.live
+
 STEPS = 12
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 AGENT = ["-m", "lossguard.agent.cli", "run"]

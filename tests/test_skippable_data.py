@@ -22,6 +22,8 @@ from lossguard.agent import Guard, SkippableDataLoader
 from lossguard.agent.config import parse_config
 from lossguard.common.control.protocol import SkipBatches
 
+pytestmark = pytest.mark.live
+
 DATASET = TensorDataset(torch.arange(30))
 EPOCH = 8  # batches of 4 from 30 samples (the last one short)
 

@@ -35,7 +35,10 @@ from tests.conftest import (
 )
 from tests.slurm import Slurm, missing, single_host_slurm
 
-pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+pytestmark = [
+    pytest.mark.live,
+    pytest.mark.skipif(missing() is not None, reason=str(missing())),
+]
 
 SBATCH = REPO / "deploy" / "slurm" / "lossguard.sbatch"
 

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from prometheus_client import generate_latest
 from torch import nn
@@ -20,6 +21,8 @@ from lossguard.agent.train.trainer import Trainer
 
 from .conftest import sliced_settings, step_records
 from .test_telemetry import promtool_findings
+
+pytestmark = pytest.mark.live
 
 STEPS = 16
 RESUME_AT = 7  # in the warm-up after the reset at step 6; the next reset (12) comes after it

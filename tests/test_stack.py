@@ -62,6 +62,8 @@ from .dcgm_exporter import IDENTITY, dcgm_exposition
 from .promserver import ExpositionServer, PromServer, prometheus_binary, running, web_config_flag
 from .webauth import WebAuth
 
+pytestmark = pytest.mark.live
+
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
 TOKEN = "stack-test-token"
 AUTH = WebAuth()  # Prometheus's and Alertmanager's basic auth, as in compose

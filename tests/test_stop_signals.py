@@ -33,6 +33,8 @@ from tests.conftest import (
 )
 from tests.test_guard import guard_config
 
+pytestmark = pytest.mark.live
+
 
 class Before:
     """Handlers standing in for the ones from before lossguard's: they record what they get."""

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +36,8 @@ from tests.conftest import (
     wait_for,
     write_config,
 )
+
+pytestmark = pytest.mark.live
 
 # A stand-in training command: counts its starts in starts.txt, records the checkpoint it was
 # told to resume from (and the supervisor's TCP control address, in control.txt), then behaves

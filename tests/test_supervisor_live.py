@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from tests.bench_supervisor import chaos, supervise
@@ -28,6 +30,8 @@ from tests.conftest import (
     write_config,
     write_monitor_config,
 )
+
+pytestmark = pytest.mark.live
 
 
 def test_killed_training_and_supervisor_end_bitwise_identical(

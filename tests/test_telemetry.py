@@ -22,6 +22,8 @@ from lossguard.common.catalogue import CATALOGUE, NVML_METRICS, OPTIMIZER_COUNTE
 
 from .conftest import run_cli, sliced_settings, start_agent, wait_for, write_config
 
+pytestmark = pytest.mark.live
+
 
 def config(tmp_path: Path, cache: Path, **sections: Any) -> Config:
     return parse_config(sliced_settings(tmp_path / "runs", cache, **sections))

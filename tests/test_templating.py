@@ -30,6 +30,8 @@ from lossguard.monitor.rules.templating import (
 )
 from tests.promserver import promtool_test_rules
 
+pytestmark = pytest.mark.live
+
 EXTERNAL_LABELS = {"cluster": "lab", "zone": "eu-1"}
 EXTERNAL_URL = "http://monitor.example:9090/prefix"
 SERIES = {"run_id": "r1", "instance": "host:9410"}

@@ -18,6 +18,8 @@ from lossguard.agent.train.trainer import FitResult, Trainer
 
 from .conftest import REPO, run_cli, sliced_settings
 
+pytestmark = pytest.mark.live
+
 
 def fit(cfg: Config) -> tuple[FitResult, Trainer]:
     trainer = Trainer(cfg, progress=False)

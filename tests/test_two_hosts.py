@@ -7,9 +7,11 @@ learns each run from ``lossguard_agent_info`` and reaches it over TCP with the t
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +39,8 @@ from tests.conftest import (
 from tests.netns import Host, hosts
 from tests.promserver import prometheus
 
+pytestmark = pytest.mark.live
+
 CONTROL_TOKEN = "two-hosts-control-token-0123456789"
 MONITOR_TOKEN = "two-hosts-monitor-token-0123456789"
 METRICS_PORT, CONTROL_PORT, SUPERVISOR_PORT = 9410, 9420, 9421  # the same on both hosts
@@ -60,7 +64,9 @@ class Cluster:
         self.corpus_cache = corpus_cache
         self.sd = sd
         self.processes: list[subprocess.Popen[bytes]] = []
-        self.runs = tmp_path / "hosts"  # the hosts' own disks: the monitor is never told
+        # the hosts' own disks, which the monitor is never told of; short paths, as a control
+        # socket's path must be (tmp_path under xdist is too long)
+        self.runs = Path(tempfile.mkdtemp(prefix="lghosts-"))
         shipped = yaml.safe_load((REPO / "configs" / "monitor.yml").read_text())
         port = free_port()
         if prom_url is None:  # the shipped scrape settings, targets from file_sd, no runs root
@@ -150,6 +156,7 @@ class Cluster:
 
     def close(self) -> None:
         stop_processes(*self.processes)
+        shutil.rmtree(self.runs, ignore_errors=True)
 
 
 SHIPPED_RULES = REPO / "alerts" / "lossguard.rules.yml"

@@ -20,6 +20,8 @@ from lossguard.common.config import ConfigError
 
 from .conftest import wait_for
 
+pytestmark = pytest.mark.live
+
 FAKE_KEY = "lossguard-test-fake-api-key-0123456789abcdef"
 
 

@@ -29,6 +29,8 @@ from lossguard.monitor.rules.alerting import fingerprint
 from .amserver import CaptureServer, alertmanager
 from .conftest import free_port, wait_for
 
+pytestmark = pytest.mark.live
+
 RECEIVER = "ml-ops.webhook (p1)"  # regexp-special characters, a space and a dash
 GROUP_BY = ("alertname", "run_id")
 MAX_ALERTS = 2

@@ -20,6 +20,8 @@ from lossguard.monitor.actions.refusals import RECORDED_PER_WINDOW, RefusalBudge
 from tests.conftest import start_monitor, stop_process, wait_for
 from tests.test_rank_faults import deploy_env, shipped_monitor
 
+pytestmark = pytest.mark.live
+
 TOKEN = "webhook-flood-test-token"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lossguard.agent.control.offline import checkpoints_on_disk, dead_agent
-from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, quiet_on_closed_pipe
 from lossguard.common.console import format_duration
 from lossguard.common.control.bearer import DEFAULT_TOKEN_ENV
 from lossguard.common.control.client import (
@@ -337,6 +337,7 @@ def _without_agent(run_dir: Path, cmd: str, as_json: bool, exc: ControlUnavailab
     return _fail(EXIT_UNREACHABLE, dead_agent(run_dir) or str(exc))
 
 
+@quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:

@@ -227,7 +227,7 @@ class IntervalLog:
 
     def healthy(self, last_train_loss: float | None) -> bool:
         """This rank: false inside a spike episode, or when the current interval or the last
-        logged one (``last_train_loss``) saw a non-finite loss (DESIGN.md ``last_good``). Right
+        logged one (``last_train_loss``) saw a non-finite loss (docs/design.md ``last_good``). Right
         after a log interval (no step since) that interval's reading answers, with no host
         read."""
         if self.interval.steps == 0 and self.logged_healthy is not None:

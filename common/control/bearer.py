@@ -1,4 +1,4 @@
-"""The bearer token of a TCP control listener (DESIGN.md "Control protocol"), read from the
+"""The bearer token of a TCP control listener (docs/design.md "Control protocol"), read from the
 environment by its server and its clients alike; never logged or written anywhere."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Who may try a token on a control server's TCP listener, and when (DESIGN.md "Control
+"""Who may try a token on a control server's TCP listener, and when (docs/design.md "Control
 protocol"): a connection that has not been authenticated holds one of a few
 pre-authentication slots, never one of an authenticated peer. When they are all taken, the
 connection waiting longest *that has not sent its token line yet* is cut off to make room;

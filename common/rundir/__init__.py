@@ -1,2 +1,2 @@
-"""The run directory on disk (DESIGN.md "Run directory"): its file names, atomic writes, the
+"""The run directory on disk (docs/design.md "Run directory"): its file names, atomic writes, the
 JSON-lines logs, ``agent.json``, ``supervisor.json`` and the checkpoint format. Torch-free."""

@@ -1,4 +1,4 @@
-"""``agent.json``: how a run announces itself (DESIGN.md "Run directory").
+"""``agent.json``: how a run announces itself (docs/design.md "Run directory").
 
 Written by the agent's rank 0 when a run starts and again when it ends; read by the monitor's
 discovery and by anything else that must find a run's process, exporters and control socket.

@@ -1,5 +1,5 @@
-"""The vocabulary of ``events.jsonl``, the audit trail: the ``event`` of each record (DESIGN.md
-"Run directory"). Writers and readers name them from here."""
+"""The vocabulary of ``events.jsonl``, the audit trail: the ``event`` of each record
+(docs/design.md "Run directory"). Writers and readers name them from here."""
 
 # the agent: the run
 START = "start"

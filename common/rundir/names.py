@@ -1,4 +1,4 @@
-"""The names of what a run directory holds (DESIGN.md "Run directory"); every module that
+"""The names of what a run directory holds (docs/design.md "Run directory"); every module that
 opens one of them names it from here."""
 
 CONFIG_FILE = "config.yaml"  # the resolved config

@@ -1,4 +1,4 @@
-"""``supervisor.json``: how a supervised run's supervisor announces itself (DESIGN.md
+"""``supervisor.json``: how a supervised run's supervisor announces itself (docs/design.md
 "Supervisor").
 
 Written by ``lossguard-supervise`` into the run directory whenever its state changes; read by

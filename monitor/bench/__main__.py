@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from lossguard.common.cli import quiet_on_closed_pipe
 from lossguard.common.config import seconds
 from lossguard.monitor.bench.compare import compare, comparison_table
 from lossguard.monitor.bench.monitor import results_table
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(width=200)  # the comparison is wide; cut, it would say nothing

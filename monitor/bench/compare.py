@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,17 +24,17 @@ class Comparison:
     prometheus: PrometheusBenchResult | None
 
     @property
-    def cpu_ratio(self) -> float:
-        """The monitor's CPU over Prometheus's (NaN without Prometheus)."""
+    def cpu_ratio(self) -> float | None:
+        """The monitor's CPU over Prometheus's (None: no Prometheus, or it used none)."""
         if self.prometheus is None or not self.prometheus.cpu_share > 0:
-            return math.nan
+            return None
         return self.monitor.cpu_share / self.prometheus.cpu_share
 
     @property
-    def memory_ratio(self) -> float:
-        """The monitor's memory per stored series over Prometheus's."""
+    def memory_ratio(self) -> float | None:
+        """The monitor's memory per stored series over Prometheus's (None as for CPU)."""
         if self.prometheus is None or not self.prometheus.bytes_per_series > 0:
-            return math.nan
+            return None
         return self.monitor.bytes_per_series / self.prometheus.bytes_per_series
 
 
@@ -75,7 +74,7 @@ def comparison_table(rows: Sequence[Comparison]) -> Table:
         m, p = row.monitor, row.prometheus
         table.add_row(
             str(m.agents), f"{m.interval_s:g} s", "lossguard-monitor", f"{m.cpu_share:.1%}",
-            _ms(m.cpu_share * m.interval_s), f"{row.cpu_ratio:.2f}x CPU", _yes(m.on_time),
+            _ms(m.cpu_share * m.interval_s), _ratio(row, row.cpu_ratio, "CPU"), _yes(m.on_time),
             f"{_ms(m.evaluation.p50)} / {_ms(m.evaluation.max)}",
             f"{_ms(m.scrape.p50)} / {_ms(m.scrape.max)}", f"{m.series:,}",
             _mib(m.rss_end_bytes), f"{m.bytes_per_series:,.0f}",
@@ -83,12 +82,19 @@ def comparison_table(rows: Sequence[Comparison]) -> Table:
         if p is not None:
             table.add_row(
                 "", "", f"prometheus {p.version}", f"{p.cpu_share:.1%}",
-                _ms(p.cpu_share * p.interval_s), f"{row.memory_ratio:.2f}x memory/series",
+                _ms(p.cpu_share * p.interval_s), _ratio(row, row.memory_ratio, "memory/series"),
                 _yes(p.on_time), f"p99 {_ms(p.rule_group_p99_s)}",
                 f"interval p99 {_ms(p.scrape_interval_p99_s)}", f"{p.series:,}",
                 _mib(p.rss_end_bytes), f"{p.bytes_per_series:,.0f}",
             )  # fmt: skip
     return table
+
+
+def _ratio(row: Comparison, ratio: float | None, of: str) -> str:
+    """``0.50x CPU``; what stands in its place where there is nothing to divide by."""
+    if row.prometheus is None:
+        return "n/a (no Prometheus)"
+    return "n/a (Prometheus measured 0)" if ratio is None else f"{ratio:.2f}x {of}"
 
 
 def _ms(seconds: float) -> str:

@@ -81,6 +81,11 @@ class RunRecord:
         steps += [c.step for c in self.checkpoints]
         return max(steps, default=None)
 
+    @property
+    def current_last_step(self) -> int | None:
+        """The last step logged on the timeline training went on with (not an abandoned one)."""
+        return max((p.step for p in self.train + self.evals if not p.abandoned), default=None)
+
     @functools.cached_property
     def _timed(self) -> list[tuple[float, int]]:
         return sorted((p.time, p.step) for p in self.train if p.time is not None)

@@ -5,22 +5,30 @@ overview stacks them in one PNG.
 
 Marks carry SVG ids (``mark-rollback-0``, ``mark-spike-0``, ``mark-checkpoints``,
 ``mark-alert-0``, ...), series ``series-<field>``, an empty panel ``no-data-<panel>``, a
-remark on what a panel lacks ``note-<key>`` (``note-no-mfu``).
+remark on what a panel lacks ``note-<key>`` (``note-no-mfu``), the steps only an abandoned
+timeline reached, drawn narrower, ``abandoned-tail``.
+
+Text from the run (its id, alert names, request ids, checkpoint names) goes through
+:func:`_plain`, so a ``$`` in it is a dollar sign; matplotlib's own labels (a log axis's
+``10^5``) keep their math.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import matplotlib
+import numpy as np
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 from matplotlib.typing import LineStyleType
 
 from lossguard.monitor.report.data import Point, RunRecord
@@ -29,6 +37,11 @@ PANEL_SIZE = (11.0, 3.4)  # inches, one panel
 PNG_DPI = 100
 GIB = 2.0**30
 WIDE = 50.0  # a positive series spanning more than this factor gets a log axis
+ALERT_NAME = re.compile(r"mark-alert-\d+-label")
+ALERT_NAME_TOP = 0.99  # axes fraction: the first row of alert names
+TAIL_SHARE = 0.25
+"""The most of a panel's width taken by the steps that only an abandoned timeline reached (a
+run rolled back from step 1000 to 100 and stopped at 200: steps 200 to 1000)."""
 
 COLOURS = {
     "train_loss": "#1f77b4",
@@ -52,6 +65,7 @@ COLOURS = {
     "critical": "#fcc5c0",
     "warning": "#fee6a8",
     "info": "#c6dbef",
+    "abandoned_tail": "#f0f0f0",
 }
 """Every colour the report draws with, by series or mark (alert spans by severity)."""
 _NO_METADATA: dict[str, str | None] = {"Date": None, "Creator": None, "Format": None, "Type": None}
@@ -159,42 +173,81 @@ PANELS = (
 
 
 def panel_svg(panel: Panel, run: RunRecord) -> str:
-    """One panel as an SVG element to inline in HTML (no XML prolog, ids unique to it). Run
-    ids, request ids and reasons are text from the run: drawn without math markup, a ``$`` is
-    a dollar sign (``text.parse_math``), as in :func:`overview_png`."""
+    """One panel as an SVG element to inline in HTML (no XML prolog, ids unique to it)."""
     buffer = io.StringIO()
-    with matplotlib.rc_context(
-        {"text.parse_math": False, "svg.hashsalt": f"lossguard-{panel.key}"}
-    ):
-        fig = Figure(figsize=PANEL_SIZE, layout="constrained")
-        ax = fig.add_subplot()
-        _draw(panel, ax, run)
+    fig = panel_figure(panel, run)
+    with matplotlib.rc_context({"svg.hashsalt": f"lossguard-{panel.key}"}):
         fig.savefig(buffer, format="svg", metadata=_NO_METADATA)
     text = buffer.getvalue()
     return text[text.index("<svg") :]
 
 
+def panel_figure(panel: Panel, run: RunRecord) -> Figure:
+    """One panel, drawn and laid out."""
+    fig = Figure(figsize=PANEL_SIZE, layout="constrained")
+    _draw(panel, fig.add_subplot(), run)
+    _stagger_alert_names(fig)
+    return fig
+
+
 def overview_png(run: RunRecord) -> bytes:
     """Every panel stacked in one PNG, titled with the run and how it ended."""
-    width, height = PANEL_SIZE
-    with matplotlib.rc_context({"text.parse_math": False}):
-        fig = Figure(figsize=(width, height * len(PANELS) + 0.4), layout="constrained")
-        fig.suptitle(f"lossguard run {run.run_id}: {run.outcome}", fontsize=12)
-        for panel, ax in zip(PANELS, fig.subplots(len(PANELS), 1), strict=True):
-            ax.set_title(panel.title, fontsize=10, loc="left")
-            _draw(panel, ax, run)
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=PNG_DPI, metadata={"Software": None})
+    buffer = io.BytesIO()
+    overview_figure(run).savefig(buffer, format="png", dpi=PNG_DPI, metadata={"Software": None})
     return buffer.getvalue()
+
+
+def overview_figure(run: RunRecord) -> Figure:
+    """Every panel stacked, drawn and laid out, as :func:`overview_png` saves it."""
+    width, height = PANEL_SIZE
+    fig = Figure(figsize=(width, height * len(PANELS) + 0.4), layout="constrained", dpi=PNG_DPI)
+    fig.suptitle(_plain(f"lossguard run {run.run_id}: {run.outcome}"), fontsize=12)
+    for panel, ax in zip(PANELS, fig.subplots(len(PANELS), 1), strict=True):
+        ax.set_title(panel.title, fontsize=10, loc="left")
+        _draw(panel, ax, run)
+    _stagger_alert_names(fig)
+    return fig
 
 
 def _draw(panel: Panel, ax: Axes, run: RunRecord) -> None:
     panel.draw(ax, run)
     if ax.axison:
-        last = run.last_step or 1
-        ax.set_xlim(0, last * 1.02)
-        ax.set_xlabel("step")
+        _step_axis(ax, run)
         ax.grid(True, linewidth=0.3, alpha=0.5)
+
+
+def _plain(text: str) -> str:
+    """``text`` from the run as written: each ``$`` escaped, so matplotlib draws no math."""
+    return text.replace("$", r"\$")
+
+
+def _step_axis(ax: Axes, run: RunRecord) -> None:
+    """Steps from 0 to the run's last. Where an abandoned timeline reached steps far past the
+    current timeline's last, those take :data:`TAIL_SHARE` of the width, shaded, and the axis
+    label says so: the run that went on is what the panel shows at full width."""
+    last = run.last_step or 1
+    current = run.current_last_step or 0
+    ax.set_xlim(0, last * 1.02)
+    ax.set_xlabel("step")
+    if current <= 0 or (last - current) * (1 - TAIL_SHARE) <= current * TAIL_SHARE:
+        return  # no abandoned tail, or one that takes no more than its share anyway
+    squeeze = current * TAIL_SHARE / ((last - current) * (1 - TAIL_SHARE))
+
+    def forward(steps: np.ndarray) -> np.ndarray:
+        return np.where(steps <= current, steps, current + (steps - current) * squeeze)
+
+    def inverse(places: np.ndarray) -> np.ndarray:
+        return np.where(places <= current, places, current + (places - current) / squeeze)
+
+    ax.set_xscale("function", functions=(forward, inverse))
+    ticks = [t for t in MaxNLocator(nbins=8, integer=True).tick_values(0, current) if t <= current]
+    ax.set_xticks([*ticks, last])
+    tail = ax.axvspan(current, last, color=COLOURS["abandoned_tail"], zorder=-1, linewidth=0)
+    tail.set_gid("abandoned-tail")
+    ax.set_xlabel(
+        f"step (shaded: steps {current} to {last}, reached only by the abandoned timeline, "
+        f"drawn {1 / squeeze:.1f}x narrower)"
+    )
 
 
 # ------------------------------------------------------------------ series
@@ -328,7 +381,8 @@ def _note(ax: Axes, key: str, message: str) -> None:
 
 
 def _mark_alerts(ax: Axes, run: RunRecord) -> None:
-    """Each alert of the run, firing to resolved (or to the end), shaded by severity."""
+    """Each alert of the run, firing to resolved (or to the end), shaded by severity, named
+    at its start along the top (in rows, :func:`_stagger_alert_names`)."""
     last = run.last_step or 0
     for i, alert in enumerate(run.alerts):
         start = run.step_at(alert.fired_at)
@@ -338,16 +392,45 @@ def _mark_alerts(ax: Axes, run: RunRecord) -> None:
         span.set_gid(f"mark-alert-{i}")
         label = ax.text(
             start,
-            0.99,
-            f" {alert.name}",
+            ALERT_NAME_TOP,
+            _plain(f" {alert.name} "),
             transform=ax.get_xaxis_transform(),
             ha="left",
             va="top",
             fontsize=7,
             color="#7a0000",
             clip_on=True,
+            bbox={"facecolor": "white", "alpha": 0.75, "linewidth": 0, "pad": 0.5},
         )
         label.set_gid(f"mark-alert-{i}-label")
+
+
+def _stagger_alert_names(fig: Figure) -> None:
+    """Lay the figure out, then give each alert name the top-most row where it overlaps no
+    name before it (by start), one text height per row: names of alerts that fire together
+    stand one under another. A name that would run past the panel's right edge ends at its
+    alert's start instead."""
+    named = [
+        (ax, names)
+        for ax in fig.axes
+        if (names := [t for t in ax.texts if ALERT_NAME.fullmatch(t.get_gid() or "")])
+    ]
+    if named:
+        fig.draw_without_rendering()  # the names' extents, where the figure puts them
+    for ax, names in named:
+        rows: list[list[tuple[float, float]]] = []  # each row's names, as (left, right) pixels
+        for name in sorted(names, key=lambda t: t.get_window_extent().x0):
+            if name.get_window_extent().x1 > ax.bbox.x1:
+                name.set_horizontalalignment("right")
+            box = name.get_window_extent()
+            free = (
+                r for r, row in enumerate(rows) if all(box.x1 <= a or b <= box.x0 for a, b in row)
+            )
+            row = next(free, len(rows))
+            if row == len(rows):
+                rows.append([])
+            rows[row].append((box.x0, box.x1))
+            name.set_y(ALERT_NAME_TOP - row * 1.2 * box.height / ax.bbox.height)
 
 
 def _mark_spikes(ax: Axes, run: RunRecord) -> None:
@@ -386,11 +469,13 @@ def _mark_restores(ax: Axes, run: RunRecord) -> None:
             )
             arrow.set_gid(f"{gid}-arrow")
             arrow.arrow_patch.set_gid(f"{gid}-arrow-patch")  # type: ignore[union-attr]
-        label = ax.text(
-            left,
+        label = ax.text(  # at the step restored: the step left may be the panel's right edge
+            restore.to_step,
             0.84,
-            f" {restore.kind} to step {restore.to_step}"
-            + (f" ({restore.checkpoint})" if restore.checkpoint else ""),
+            _plain(
+                f" {restore.kind} to step {restore.to_step}"
+                + (f" ({restore.checkpoint})" if restore.checkpoint else "")
+            ),
             transform=transform,
             fontsize=7,
             color=colour,
@@ -448,7 +533,7 @@ def _mark_commands(ax: Axes, run: RunRecord) -> None:
         label = ax.text(
             step,
             0.5,
-            f" {command.cmd}{outcome} {command.request_id}",
+            _plain(f" {command.cmd}{outcome} {command.request_id}"),
             transform=ax.get_xaxis_transform(),
             rotation=90,
             fontsize=6,
@@ -494,5 +579,5 @@ def _legend(ax: Axes, run: RunRecord) -> list[Artist]:
         marker("crash", COLOURS["crash"], "", "-")
     for severity in sorted({a.severity for a in run.alerts}):
         colour = COLOURS.get(severity, COLOURS["info"])
-        handles.append(Patch(color=colour, label=f"alert ({severity or 'no severity'})"))
+        handles.append(Patch(color=colour, label=_plain(f"alert ({severity or 'no severity'})")))
     return handles

@@ -10,6 +10,7 @@ from html import escape
 from typing import Any
 
 from lossguard.common import __version__
+from lossguard.monitor.actions.describe import describe
 from lossguard.monitor.report.data import RunRecord
 from lossguard.monitor.report.figures import PANELS, panel_svg
 
@@ -122,19 +123,20 @@ def _alerts(run: RunRecord) -> str:
 
 
 def _actions(run: RunRecord) -> str:
+    """Each action in the words the monitor's console, notifications and read API use."""
     rows = [
         (
             _when(a.created_at),
+            str(run.step_at(a.created_at)),
             a.kind,
             a.alertname,
-            a.state,
-            "" if a.attempt is None else f"{a.attempt} of {a.of_attempts}",
+            a.state.replace("_", " "),
+            describe(a),
             a.id,
-            _detail({"args": a.args, "result": a.result, "reason": a.reason}),
         )
         for a in run.actions
     ]
-    headers = ("created", "action", "alert", "state", "attempt", "request id", "details")
+    headers = ("created", "step", "action", "alert", "state", "what happened", "request id")
     return _table("actions", "Monitor actions", headers, rows, "The monitor took no action.")
 
 
