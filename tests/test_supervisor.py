@@ -59,7 +59,8 @@ COMMAND = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stuck: only SIGKILL ends it
     else:
         signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    (here / "child.pid").write_text(str(os.getpid()))
+    (here / "child.pid.tmp").write_text(str(os.getpid()))  # whole when it appears
+    os.replace(here / "child.pid.tmp", here / "child.pid")
     stopped.wait()
     (here / "saved.txt").write_text("saved")
     sys.exit(3)
