@@ -30,8 +30,10 @@ def test_a_killed_worker_of_node_1_restarts_both_nodes_from_one_checkpoint(
     result = chaos(tmp_path, corpus_cache, steps=40, kills=1, seed=5)
     assert result["statuses"] == [0, 0]
     assert result["kills"] == 1
-    # one crash per crash
-    assert result["crashes"] == 1 and result["crashed_nodes"] == [1], result["crash_events"]
+    # one crash per crash, recorded by the node whose group ended first: node 1's (its torchrun
+    # saw the worker die) or node 0's (its ranks saw the collective fail first), as
+    # docs/supervisor.md says of the crash's node label
+    assert result["crashes"] == 1 and result["crashed_nodes"] in ([0], [1]), result["crash_events"]
     assert result["restarts"] == 1
     # node 0 chose the checkpoint; node 0's rank resumed from it, and node 1 started from it
     assert result["resumed"] == result["resume_from"] == [result["node_1_resumed_from"]]

@@ -66,6 +66,9 @@ def test_a_job_signalled_mid_run_is_requeued_and_ends_with_uninterrupted_weights
                 PATH=f"{bin_dir}:{os.environ['PATH']}",
                 OMP_NUM_THREADS="1",
                 LOSSGUARD_LAUNCH=f"{sys.executable} -m lossguard.agent.cli",
+                # free ports: the script's fixed defaults may be taken by tests beside it
+                METRICS_PORT=str(free_port()),
+                SUPERVISOR_METRICS_PORT=str(free_port()),
             )
             submitted = slurm.run(
                 "sbatch",
