@@ -145,15 +145,15 @@ def submit(slurm: Slurm, output: Path, *args: Path) -> str:
 
 
 def agent_info(url: str) -> dict[str, str] | None:
-    """The labels of lossguard_agent_info at ``url`` (None: not served yet)."""
+    """The labels of lossguard_agent_info at ``url`` (None: not served yet, or not announced)."""
     try:
         text = requests.get(url, timeout=5).text
     except requests.RequestException:
         return None
     for family in text_string_to_metric_families(text):
-        if family.name == "lossguard_agent_info":
+        if family.name == "lossguard_agent_info" and family.samples:
             return dict(family.samples[0].labels)
-    return None
+    return None  # not yet: rank 0 announces once its control server listens
 
 
 def promtool_accepts(sd_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
