@@ -179,3 +179,9 @@ def test_actions_reach_the_announced_endpoints_and_the_map_overrides_them(
         NoEndpoint, match=f"run a is reached over TCP but \\${TOKEN_ENV} is not set"
     ):
         endpoints.client("a")
+
+
+def test_a_configured_agent_address_that_is_not_host_port_is_refused() -> None:
+    with pytest.raises(ValueError, match="r1: expected HOST:PORT, got 'gpu1'"):
+        ActionsConfig(agents={"r1": "gpu1"})
+    assert ActionsConfig(agents={"r1": "[::1]:9420"}).agents == {"r1": "[::1]:9420"}

@@ -16,6 +16,7 @@ from typing import Any
 from lossguard.agent.control.offline import checkpoints_on_disk, dead_agent
 from lossguard.common.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, quiet_on_closed_pipe
 from lossguard.common.console import format_duration
+from lossguard.common.control.address import split_address
 from lossguard.common.control.bearer import DEFAULT_TOKEN_ENV
 from lossguard.common.control.client import (
     ControlClient,
@@ -70,12 +71,13 @@ def _skip_batches(text: str) -> int | str:
 
 
 def _host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    try:
+        host, port = split_address(text)
+    except ValueError:
+        host, port = "", 0
+    if port == 0:  # a client dials a port, never "any free one"
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, e.g. 127.0.0.1:7070, not {text!r}")
-    return host, int(port)
+    return host, port
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from lossguard.common.control.address import join_address
 from lossguard.common.control.protocol import MAX_LINE_BYTES, ErrorCode, encode, make_request
 
 MAX_REPLY_BYTES = 16 * MAX_LINE_BYTES
@@ -90,7 +91,7 @@ class ControlClient:
             self.address = str(socket_path)
         elif tcp is not None and socket_path is None:
             self._endpoint = tcp
-            self.address = f"[{tcp[0]}]:{tcp[1]}" if ":" in tcp[0] else f"{tcp[0]}:{tcp[1]}"
+            self.address = join_address(*tcp)
         else:
             raise ValueError("give exactly one of socket_path and tcp")
         if not (math.isfinite(timeout) and timeout > 0):

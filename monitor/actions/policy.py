@@ -7,12 +7,12 @@ batches); lower the learning rate when a divergence comes back (OPT)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from lossguard.common.config import Section, seconds
+from lossguard.common.control.address import split_address
 from lossguard.common.control.bearer import DEFAULT_TOKEN_ENV
 from lossguard.common.control.protocol import parse_target
 
@@ -29,7 +29,6 @@ COMMAND_OF = {
 SUPERVISOR_ACTIONS = ("restart",)
 Trigger = Literal["rules", "alertmanager"]
 TRIGGERS: tuple[Trigger, ...] = ("rules", "alertmanager")
-HOST_PORT = re.compile(r"^[^:\s]+:\d{1,5}$")
 
 
 def _duration(value: Any) -> str:
@@ -155,6 +154,8 @@ class ActionsConfig(Section):
     @classmethod
     def _addresses(cls, agents: dict[str, str]) -> dict[str, str]:
         for run_id, address in agents.items():
-            if not HOST_PORT.match(address) or int(address.rpartition(":")[2]) > 65535:
-                raise ValueError(f"{run_id}: expected HOST:PORT, got {address!r}")
+            try:
+                split_address(address)
+            except ValueError:
+                raise ValueError(f"{run_id}: expected HOST:PORT, got {address!r}") from None
         return agents
