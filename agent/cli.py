@@ -128,13 +128,13 @@ def _resume_target(args: argparse.Namespace) -> Target | None:
 
 
 def _run(args: argparse.Namespace, cfg: Config) -> int:
-    from lossguard.agent.start_plan import CheckpointsExist, check_start, run_path, start_plan
+    from lossguard.agent.resume_plan import CheckpointsExist, check_start, command_plan, run_path
     from lossguard.common.config import ConfigError
 
     resume = _resume_target(args)
     try:
         if os.environ.get("WORLD_SIZE", "1") == "1":  # one process: refused before torch loads
-            start = start_plan(resume, args.skip_batches, args.overwrite)
+            start = command_plan(resume, args.skip_batches, args.overwrite)
             check_start(run_path(cfg), start, afresh=True)
         return _train(args, cfg, resume)
     except CheckpointsExist as exc:
@@ -146,7 +146,7 @@ def _run(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def _train(args: argparse.Namespace, cfg: Config, resume: Target | None) -> int:
-    from lossguard.agent.recovery import RestoreError
+    from lossguard.agent.checkpoint.formats import RestoreError
     from lossguard.agent.train.trainer import Trainer
 
     try:
@@ -229,13 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from lossguard.agent.config import load_config
+    from lossguard.agent.config import check_host, load_config
     from lossguard.common.config import ConfigError
     from lossguard.common.console import setup_logging
 
     setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
+        check_host(cfg)
         handler = {"run": _run, "check": _check, "bench": _bench}[args.command]
         return handler(args, cfg)
     except ConfigError as exc:

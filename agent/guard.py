@@ -21,30 +21,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from lossguard.agent.checkpoint.cadence import Due
-from lossguard.agent.checkpoint.store import CheckpointStore
-from lossguard.agent.config import Config
+from lossguard.agent.checkpoint.formats import PROGRESS_STATE, Stateful
+from lossguard.agent.config import GuardConfig
 from lossguard.agent.control.commands import CommandRunner
 from lossguard.agent.distributed import control_group, rank_and_world
 from lossguard.agent.dtensors import full_value
-from lossguard.agent.recovery import (
-    PROGRESS_STATE,
-    OnSaved,
-    Stateful,
-    TrainProgress,
-)
-from lossguard.agent.start_plan import StartPlan
-from lossguard.agent.startup import (
+from lossguard.agent.guard_controls import GuardControls
+from lossguard.agent.recovery import TrainProgress
+from lossguard.agent.restored import Restores
+from lossguard.agent.resume_plan import ResumePlan
+from lossguard.agent.run_context import RunContext
+from lossguard.agent.run_records import RunRecords
+from lossguard.agent.run_start import (
     detector_states,
     on_main,
     open_run,
@@ -57,22 +55,19 @@ from lossguard.agent.stop_signals import StopSignals, catching_from_the_start
 from lossguard.agent.stuck_rank import StuckRankWatch
 from lossguard.agent.telemetry.batch_tokens import BatchTokens, vocabulary_of
 from lossguard.agent.telemetry.fp8_fidelity import Replay
+from lossguard.agent.telemetry.hub import Telemetry
 from lossguard.agent.telemetry.interval import Interval
 from lossguard.agent.telemetry.log_interval import IntervalLog
 from lossguard.agent.telemetry.lr_watch import lr_watch
-from lossguard.agent.telemetry.sinks import Sink
 from lossguard.agent.update_skips import UpdateSkips
-from lossguard.common.control.protocol import SkipBatches, Target, check_reason
-from lossguard.common.control.server import ControlServer
-from lossguard.common.exitcodes import EXIT_CODES, EXIT_RETRYABLE
-from lossguard.common.rundir.checkpoints import CheckpointMeta
+from lossguard.common.control.protocol import Target
 from lossguard.common.rundir.directory import RunDirectory
-from lossguard.common.rundir.events import CLOSE, OVERWRITTEN, RESUMED, SIGNAL, START
+from lossguard.common.rundir.events import OVERWRITTEN, RESUMED, SIGNAL, START
 
 log = logging.getLogger("lossguard.agent")
 
 
-class Guard:
+class Guard(GuardControls):
     """Accounting, gradient norm, metrics, checkpoints and control for a training loop.
 
     ``config`` supplies the ``checkpoint``, ``control``, ``telemetry`` and ``wandb`` sections
@@ -80,7 +75,7 @@ class Guard:
     planned last step: status, progress, the step target; None: open-ended) and ``grad_clip``
     (clip the gradient norm to it in ``after_backward``; None: measure it, never clip).
 
-    Starting (``resume``, ``skip_batches``, ``overwrite``): as ``startup.StartPlan`` says; a
+    Starting (``resume``, ``skip_batches``, ``overwrite``): as ``resume_plan.ResumePlan`` says; a
     resume target that cannot be restored raises RestoreError (the Guard is then closed).
 
     The stop signals (``stop_signals``) are caught from the start of ``__init__`` (taken over
@@ -101,7 +96,7 @@ class Guard:
         data: Stateful | None = None,
         scaler: torch.amp.GradScaler | None = None,
         ema: Stateful | None = None,
-        config: Config | None = None,
+        config: GuardConfig | None = None,
         max_steps: int | None = None,
         grad_clip: float | None = None,
         resume: Target | str | None = None,
@@ -114,8 +109,8 @@ class Guard:
             raise ValueError(f"max_steps: must be >= 1 or None, not {max_steps}")
         if grad_clip is not None and not (math.isfinite(grad_clip) and grad_clip > 0):
             raise ValueError(f"grad_clip: must be a number > 0 or None, not {grad_clip}")
-        start = StartPlan.of(resume, skip_batches, overwrite)
-        self.config = config if config is not None else Config()
+        start = ResumePlan.of(resume, skip_batches, overwrite)
+        self.config = config if config is not None else GuardConfig()
         self.max_steps = max_steps
         self.log_every = self.config.train.log_every
         self.grad_clip = grad_clip
@@ -144,95 +139,71 @@ class Guard:
 
         self.path = Path(run_dir)
         self.run_id = self.config.run.id or self.path.name
-        self.run_dir: RunDirectory | None = None
-        self.checkpoints: CheckpointStore | None = None
-        self.control: ControlServer | None = None
-        self.sinks: list[Sink] = []
+        self.records = RunRecords()  # rank 0's, opened below
         self._stuck: StuckRankWatch | None = None
-        self._group = control_group(self.config.distributed.timeout_s)
-        moved = on_main(lambda: start_over_check(self.path, start), self.rank, self._group)
-        self.telemetry = start_telemetry(
+        group = control_group(self.config.distributed.timeout.seconds)
+        ctx = RunContext(self.rank, self.world_size, group, self.device, self.run_id, self.event)
+        moved = on_main(lambda: start_over_check(self.path, start), self.rank, group)
+        telemetry = start_telemetry(
             self.config,
             model,
-            rank=self.rank,
-            world_size=self.world_size,
-            run_id=self.run_id,
+            ctx,
             max_steps=max_steps,
             flops_per_token=flops_per_token,
-            group=self._group,
             loss_scaling=scaler is not None,
         )
-        if self.telemetry is not None:
-            self.state.update(detector_states(self.telemetry))
+        self.ctx = ctx = ctx.with_telemetry(telemetry)
+        self.telemetry = telemetry if isinstance(telemetry, Telemetry) else None
+        """The telemetry hub; None while ``telemetry.enabled`` is off."""
+        self.state.update(detector_states(telemetry))
         self.log = IntervalLog(
+            ctx,
             self.interval,
-            telemetry=self.telemetry,
-            world_size=self.world_size,
             optimizer=optimizer,
             scaler=scaler,
             state=self.state,
             fp16_unscaled=self.config.precision.dtype == "fp16" and scaler is None,
-            event=self.event,
             lr_watch=lr_watch(optimizer, scheduler, lambda: self.step + 1),
-            tokens=(
-                BatchTokens(self.device, vocabulary=vocabulary_of(model))
-                if self.telemetry is not None
-                else None
-            ),
-            group=self._group,
-            rank=self.rank,
+            tokens=BatchTokens(self.device, vocabulary=vocabulary_of(model))
+            if telemetry.enabled
+            else None,
         )
-        self._skips = UpdateSkips(
-            self.config,
-            optimizer=optimizer,
-            scaler=scaler,
-            telemetry_on=self.telemetry is not None,
-            device=self.device,
-            world_size=self.world_size,
-        )
+        self._skips = UpdateSkips(ctx, self.config, optimizer=optimizer, scaler=scaler)
         self.log.start = (self.step, self.log.data_position())
-        if self.rank == 0:
-            self.run_dir = RunDirectory(self.path, self.config.run.mode_bits)
-            opened = open_run(
-                self.run_dir,
-                self.config,
-                run_id=self.run_id,
-                device=self.device,
-                world_size=self.world_size,
-                telemetry=self.telemetry,
-                event=self.event,
-                progress=(max_steps, self.step) if progress else None,
-            )
-            self.control, self.checkpoints, self.sinks = opened
-        self._due = Due(self.config, self._group)
+        if ctx.main:
+            run = RunDirectory(self.path, self.config.run.mode_bits)
+            shown = (max_steps, self.step) if progress else None
+            self.records = open_run(ctx, run, self.config, progress=shown)
+        self.control, self.checkpoints = self.records.control, self.records.checkpoints
+        self._due = Due(self.config, group)
+        restores = Restores()
         self.recovery = start_recovery(
+            ctx,
             self.config,
             self.state,
             self.progress,
             model=model,
             optimizer=optimizer,
             path=self.path,
-            store=self.checkpoints,
-            group=self._group,
-            rank=self.rank,
-            world_size=self.world_size,
-            device=self.device,
-            telemetry=self.telemetry,
+            records=self.records,
             healthy_now=lambda: self.log.healthy(self.last_train_loss),
-            on_restored=self._restored,
-            event=self.event,
+            restores=restores,
         )
+        for listener in (
+            self._restored,
+            self.log.restored,
+            self._skips.restored,
+            self._due.restored,
+        ):
+            restores.subscribe(listener)
         self.commands = CommandRunner(
             self,
+            ctx,
             control=self.control,
             store=self.checkpoints,
             snapshots=self.recovery.snapshots,
-            telemetry=self.telemetry,
-            group=self._group,
-            rank=self.rank,
-            world_size=self.world_size,
         )
-        if self.rank == 0:
+        if ctx.main:
             self.event(START, **start_fields(self.control, self.world_size))
         if moved is not None:
             self.event(OVERWRITTEN, moved_to=str(moved[0]), checkpoints=moved[1])
@@ -242,21 +213,14 @@ class Guard:
         # the state training starts from, at the first poll: after an evaluation there, so
         # that a rollback to it need not evaluate again
         self._due.snapshot = True
-        self._stuck = (
-            StuckRankWatch(
-                grace_s=self.config.distributed.stop_grace_s,
-                stop_asked=self._stop_asked,
+        if self.world_size > 1:
+            self._stuck = StuckRankWatch(
+                grace_s=self.config.distributed.stop_grace.seconds,
+                stop_asked=self.records.stop_asked,
                 signalled=self.signals.name,
             )
-            if self.world_size > 1
-            else None
-        )
 
-    def _stop_asked(self) -> str | None:
-        """A stop command waiting at rank 0's control server (for the stuck-rank watch)."""
-        return "stop" if self.control is not None and self.control.waiting("stop") else None
-
-    def _resume(self, start: StartPlan) -> None:
+    def _resume(self, start: ResumePlan) -> None:
         """Restore ``start.target`` before the first step; audited and logged with its source.
         A failure closes the Guard and raises."""
         assert start.target is not None
@@ -268,53 +232,6 @@ class Guard:
         self.event(RESUMED, **start.audit(), **restored)
         if self.rank == 0:
             start.log_resumed(restored)
-
-    # ----------------------------------------------------------------- where training stands
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps completed."""
-        return self.progress.step
-
-    @property
-    def tokens_total(self) -> int:
-        """Tokens trained on, all ranks, as of the last log interval."""
-        return self.progress.tokens
-
-    @property
-    def lr_scale(self) -> float:
-        return self.progress.lr_scale
-
-    @property
-    def untrained(self) -> bool:
-        """At step 0 of a run started afresh, with nothing saved or restored: the model is as
-        initialised. A stop or the end of the loop saves no checkpoint then: it would hold no
-        training, and without one a restart, a requeue or a rerun starts afresh again."""
-        return self.step == 0 and self.recovery.last_saved_step is None
-
-    @property
-    def stop_requested(self) -> bool:
-        """The loop should end: stopped by a command or signal, or a restore failed halfway
-        (its state is a mix of two checkpoints and must not train on)."""
-        return self._stop or self.recovery.state_mixed
-
-    @stop_requested.setter
-    def stop_requested(self, stop: bool) -> None:
-        self._stop = stop
-
-    @property
-    def outcome(self) -> Literal["completed", "stopped", "preempted"]:
-        """How the run ends if it ends now without an error: completed, stopped (a ``stop``
-        command or SIGTERM/SIGINT) or preempted (SIGUSR1, state saved: requeue it)."""
-        if self.preempted:
-            return "preempted"
-        return "stopped" if self.stop_requested else "completed"
-
-    def exit_code(self, *, failed: bool = False) -> int:
-        """The process exit code for how the run ended (``lossguard.common.exitcodes``):
-        ``sys.exit(guard.exit_code())`` after the loop, ``exit_code(failed=True)`` when it
-        raised (a retryable failure)."""
-        return EXIT_RETRYABLE if failed else EXIT_CODES[self.outcome]
 
     # ----------------------------------------------------------------- the per-step API
 
@@ -328,8 +245,7 @@ class Guard:
         finally:
             spent = time.perf_counter() - start
             self.interval.exclude(spent)
-            if self.telemetry is not None:
-                self.telemetry.exclude(spent)
+            self.ctx.telemetry.exclude(spent)
 
     def register(self, name: str, obj: Stateful) -> None:
         """Add state that checkpoints save and rollbacks restore (anything with state_dict).
@@ -362,20 +278,16 @@ class Guard:
             self.scaler.unscale_(self.optimizer)
         if inputs is not None and self.log.tokens is not None:
             self.log.tokens.observe(self.step + 1, inputs)
-        if self.telemetry is not None:  # sampled steps only: FP8 health and fidelity, gradients
-            for record in self.telemetry.collect_samples(self.step + 1, loss, replay):
-                self._emit(record, display=False)
+        # sampled steps only: FP8 health and fidelity, gradients
+        for record in self.ctx.telemetry.collect_samples(self.step + 1, loss, replay):
+            self.records.emit(record, display=False)
         if self.grad_clip is not None:
             norm = nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=True)
         else:
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = nn.utils.get_total_norm(grads, foreach=True)
         norm = full_value(norm.detach()).float()  # sharded: one reduction over the shards
-        if self.telemetry is not None:
-            # Skip on the grad norm only: it is the same on every rank after DDP's all-reduce,
-            # so every replica skips the same steps (a rank's own loss is counted, not acted on).
-            norm_bad = self.telemetry.on_step(loss, norm)
-            self._skips.after_step(norm_bad, self.telemetry.detectors, self.interval)
+        self._skips.after_step(loss, norm, self.interval)  # the detectors, and skipped updates
         self.interval.add(loss, norm, tokens)
         return norm
 
@@ -384,8 +296,7 @@ class Guard:
         self.progress.step += 1
         self.recovery.unclaimed.clear()  # the restored state was for the step before this one
         self.interval.step_done()
-        if self.telemetry is not None:
-            self.telemetry.step_done(self.step)
+        self.ctx.telemetry.step_done(self.step)
         self._before_next_step()
         logged = self.step % self.log_every == 0 or self.step == self.max_steps
         if logged:
@@ -423,14 +334,12 @@ class Guard:
     def _before_next_step(self) -> None:
         """Arm the samplers of the coming step (at each call that may come last before its
         forward: start, end_step, poll)."""
-        if self.telemetry is not None:
-            self.telemetry.sampling(self.step + 1)
+        self.ctx.telemetry.sampling(self.step + 1)
 
     def record_eval(self, val_loss: float, **extra: float) -> None:
         """Log a validation result (already reduced over ranks) at the current step."""
         self.last_val = (self.step, val_loss)
-        if self.telemetry is not None:
-            self.telemetry.publish_eval(val_loss)
+        self.ctx.telemetry.publish_eval(val_loss)
         record: dict[str, Any] = {
             "kind": "eval",
             "step": self.step,
@@ -439,7 +348,7 @@ class Guard:
             "val_perplexity": math.exp(min(val_loss, 700.0)),
         }
         record.update(extra)
-        self._emit(record)
+        self.records.emit(record)
 
     # ----------------------------------------------------------------- metrics
 
@@ -449,121 +358,10 @@ class Guard:
             return
         self.progress.tokens = record["tokens"]
         self.last_train_loss = record["train_loss"]
-        self._emit(record)
+        self.records.emit(record)
         if not math.isfinite(record["train_loss"]) and not self._nonfinite_checkpoint_taken:
             self._nonfinite_checkpoint_taken = True  # kept for post-mortem, marked unhealthy
             self.save("nonfinite", healthy=False)
-
-    def learning_rate(self) -> float | None:
-        return self.log.learning_rate()
-
-    def _emit(self, record: dict[str, Any], *, display: bool = True) -> None:
-        for sink in self.sinks:
-            sink.write(record, display=display)
-
-    def event(self, kind: str, /, **fields: Any) -> None:
-        """Append to the audit trail, events.jsonl (rank 0)."""
-        if self.run_dir is not None:
-            record = {"time": time.time(), "step": self.step, "event": kind, **fields}
-            self.run_dir.events.append(record)
-
-    # ----------------------------------------------------------------- checkpoints and control
-
-    def status(self) -> dict[str, Any]:
-        """Where training stands, as the ``status`` command answers it."""
-        return {
-            "run_id": self.run_id,
-            "step": self.step,
-            "max_steps": self.max_steps,
-            "tokens": self.tokens_total,
-            "paused": self.paused,
-            "stopping": self.stop_requested,
-            "lr": self.learning_rate(),
-            "lr_scale": self.lr_scale,
-            "last_train_loss": self.last_train_loss,
-            "last_val_loss": self.last_val[1] if self.last_val else None,
-            "world_size": self.world_size,
-            "pid": os.getpid(),
-            "uptime_seconds": time.time() - self.started_at,
-            "episode": self.log.episode,
-        }
-
-    def save(
-        self,
-        reason: str = "manual",
-        *,
-        healthy: bool | None = None,
-        wait: bool = False,
-        on_done: OnSaved | None = None,
-    ) -> None:
-        """Checkpoint now (rank 0 writes). Async unless ``checkpoint.async`` is off or ``wait``;
-        ``on_done`` gets the meta or the error once the checkpoint is on disk."""
-        self.recovery.save(
-            reason,
-            healthy=healthy,
-            train_loss=self.last_train_loss,
-            val_loss=self._val_now(),
-            wait=wait,
-            on_done=on_done,
-        )
-
-    def _val_now(self) -> float | None:
-        """The val loss of this step's evaluation, if there was one."""
-        return self.last_val[1] if self.last_val and self.last_val[0] == self.step else None
-
-    def restore(self, target: Target, *, skip_batches: SkipBatches = 0) -> dict[str, Any]:
-        """Load a checkpoint into every registered state on every rank; then skip batches.
-        Returns what was restored: checkpoint name and step. A checkpoint that cannot be
-        loaded raises RestoreError and changes nothing; one that fails halfway through being
-        applied stops training (its state would be a mix)."""
-        meta = self.recovery.restore(target, skip_batches=skip_batches)
-        self.log.restart(self.step)
-        return {"checkpoint": meta.name, "step": self.step}
-
-    def rollback(
-        self, target: Target, *, skip_batches: SkipBatches, lr_scale: float
-    ) -> dict[str, Any]:
-        """Restore ``target``, skip batches (``"abandoned"``: those the abandoned steps trained
-        on) and scale the learning rate (``rollback`` command). The answer's ``abandoned`` is
-        the diagnosis of the latest spike or non-finite value of the abandoned steps, or None."""
-        self.log.catch_up(self.step)
-        result = self.recovery.rollback(
-            target,
-            skip_batches=skip_batches,
-            lr_scale=lr_scale,
-            episode=self.log.episode,
-            trouble_since=self.log.episode_start(self.step),
-        )
-        self.log.restart(self.step)
-        return result
-
-    def _restored(self, meta: CheckpointMeta) -> None:
-        """After a restore: this boundary's bookkeeping is the checkpoint's."""
-        self.last_train_loss = meta.train_loss
-        self.last_val = (meta.step, meta.val_loss) if meta.val_loss is not None else None
-        self._nonfinite_checkpoint_taken = False  # a new divergence gets its own post-mortem
-        self._due.save = self._due.snapshot = False
-        self._skips.reset()
-        self.log.restored(self.step)
-
-    def set_paused(self, paused: bool) -> None:
-        """Pause or resume at this boundary (every rank, so every rank's gauge says so)."""
-        self.paused = paused
-        if self.telemetry is not None:
-            self.telemetry.paused(paused)
-
-    def set_lr_scale(self, scale: float) -> None:
-        """Multiply the learning rate by ``scale`` relative to the schedule, from now on."""
-        self.recovery.set_lr_scale(scale)
-
-    def expect_change(self, reason: str = "", *, request_id: str | None = None) -> dict[str, Any]:
-        """The loss is expected to change level from here (a planned data-mix change): the
-        spike detectors take the current level as their baseline (windows emptied, episodes
-        ended) and an ``expected_change`` event is written. Under torchrun, call it on every
-        rank at the same step. ``reason``: printable, at most 200 characters (ValueError
-        otherwise); ``request_id``: the control command's, when one asked. Returns
-        ``{"step": N}``, the step it applies after."""
-        return self.log.expect_change(self.step, check_reason(reason), request_id)
 
     def finish(self) -> None:
         """Training ended normally: save the final state (``checkpoint.save_on_exit``; not
@@ -580,17 +378,9 @@ class Guard:
         self.signals.uninstall()
         self.log.close()
         self.recovery.close(failed=failed)
-        if self.control is not None:
-            self.control.close()
-        if self.telemetry is not None:
-            self.telemetry.close()
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
-        if self.run_dir is not None:
-            self.event(CLOSE, stop_requested=self.stop_requested)
-            self.run_dir.mark_finished("failed" if failed else self.outcome)
-            self.run_dir.close()
+        self.ctx.telemetry.close()
+        outcome = "failed" if failed else self.outcome
+        self.records.close(self.step, stop_requested=self.stop_requested, outcome=outcome)
         if self._stuck is not None:
             self._stuck.close()
             self._stuck = None

@@ -1,6 +1,6 @@
 """Config plumbing shared by the agent and the monitor (torch-free): pydantic sections that
 reject unknown keys, one-line errors that name the key path, ``--set`` overrides, YAML files,
-durations (Prometheus syntax: ``30s``, ``1h30m``).
+durations (Prometheus syntax: ``30s``, ``1h30m``), parsed once into :class:`Duration`.
 
 Every error names the full key path and the reason on one line, e.g. ``train.lr: must be > 0``.
 """
@@ -10,11 +10,18 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError, core_schema
 
 _DURATION = re.compile(
     r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?"
@@ -178,3 +185,45 @@ def seconds(text: str) -> float:
         return parse_duration(text) / 1000
     except ValueError:
         raise ValueError(f"not a valid duration: {text!r} (e.g. 1s, 30s, 5m, 1h30m)") from None
+
+
+_AS_PLAIN_TEXT = core_schema.plain_serializer_function_ser_schema(
+    str, return_schema=core_schema.str_schema()
+)
+
+
+class ParsedText(str):
+    """A config value kept as the text it was written as (what ``resolved()`` writes back, what
+    ``==`` compares) and parsed once, on validation: a subclass's ``__new__`` parses it into an
+    attribute, raising ValueError with the reason (the key's one-line error)."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(
+            cls, core_schema.str_schema(), serialization=_AS_PLAIN_TEXT
+        )
+
+
+class Duration(ParsedText):
+    """A Prometheus duration as written (``"10m"``) and its length in ``seconds`` (600.0)."""
+
+    seconds: float
+
+    def __new__(cls, text: str) -> Duration:
+        value = super().__new__(cls, text)
+        value.seconds = seconds(text)
+        return value
+
+
+def _positive(value: Duration) -> Duration:
+    if value.seconds <= 0:
+        raise ValueError("must be a positive duration")
+    return value
+
+
+LooseDuration = Annotated[Duration, BeforeValidator(str)]
+"""A Duration that YAML may have read as a number (``0``): taken as its text (monitor.yml)."""
+PositiveDuration = Annotated[LooseDuration, AfterValidator(_positive)]
+"""A LooseDuration longer than zero."""

@@ -1,9 +1,12 @@
-"""Memory sizes as configs write them (torch-free): ``8GiB``, ``512MB``, ``1048576``, ``25%``."""
+"""Memory sizes as configs write them (torch-free): ``8GiB``, ``512MB``, ``1048576``, ``25%``;
+:class:`MemoryBudget` is one parsed once, as a config value."""
 
 from __future__ import annotations
 
 import os
 import re
+
+from lossguard.common.config import ParsedText
 
 _UNITS = {
     "": 1,
@@ -39,14 +42,26 @@ def parse_budget(text: str) -> int | float:
     return int(float(size.group(1)) * _UNITS[unit])
 
 
+class MemoryBudget(ParsedText):
+    """A host-memory budget as written (``8GiB``, ``25%``) and its ``amount``: bytes (an int)
+    or a fraction of physical memory (a float in (0, 1])."""
+
+    amount: int | float
+
+    def __new__(cls, text: str) -> MemoryBudget:
+        value = super().__new__(cls, text)
+        value.amount = parse_budget(text)
+        return value
+
+
 def physical_memory() -> int:
     """Bytes of physical memory on this host."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def budget_bytes(text: str, sharers: int) -> int:
-    """The bytes ``text`` grants one of ``sharers`` processes on this host."""
-    value = parse_budget(text)
+def budget_bytes(budget: MemoryBudget, sharers: int) -> int:
+    """The bytes ``budget`` grants one of ``sharers`` processes on this host."""
+    value = budget.amount
     total = int(value * physical_memory()) if isinstance(value, float) else value
     return total // max(1, sharers)
 

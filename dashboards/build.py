@@ -3,7 +3,7 @@ writes ``dashboards/json/<uid>.json`` for the run, fleet and monitor dashboards 
 each: ``run`` with ``run_stability``, ``fleet``, ``monitor``; ``panels`` holds what they are
 built from). Every query reads a Prometheus datasource variable, ``${datasource}``, that
 provisioning binds; every metric name is one of the catalogues' (common/catalogue.py,
-monitor/metrics.py, supervisor/metrics.py), which tests/test_dashboards.py checks, along with
+monitor/metrics.py, supervisor/metrics.py), which tests/dashboards/test_build.py checks, along with
 the committed JSON being current."""
 
 from __future__ import annotations

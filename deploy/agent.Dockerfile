@@ -22,6 +22,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY agent ./agent
+COPY ctl ./ctl
 COPY monitor ./monitor
 COPY supervisor ./supervisor
 RUN pip install ".[agent]" && rm -rf /src

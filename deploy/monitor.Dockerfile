@@ -15,6 +15,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY agent ./agent
+COPY ctl ./ctl
 COPY monitor ./monitor
 COPY supervisor ./supervisor
 # the base distribution only: no [agent] extra, so no torch

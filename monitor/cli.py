@@ -23,8 +23,8 @@ from lossguard.common.cli import (
 )
 from lossguard.common.config import ConfigError
 from lossguard.common.console import setup_logging
+from lossguard.monitor.alert_store import AlertStore, AlertStoreError
 from lossguard.monitor.rules.rulefile import RuleError, load_rule_file
-from lossguard.monitor.state import StateError, StateStore
 
 if TYPE_CHECKING:
     from lossguard.monitor.notify.silences import Silence
@@ -151,14 +151,14 @@ def _run(config_path: str, overrides: Sequence[str]) -> int:
         monitor = Monitor(config)
     except RuleError as exc:
         raise ConfigError(f"rules.files: {exc}") from None
-    except StateError as exc:
+    except AlertStoreError as exc:
         raise ConfigError(f"state.path: {exc}") from None
     monitor.install_signal_handlers()
     monitor.run()
     return EXIT_OK
 
 
-def _state(config_path: str, create: bool = False) -> StateStore:
+def _state(config_path: str, create: bool = False) -> AlertStore:
     """The state database of ``config_path``'s monitor; only ``create`` makes a new one."""
     from lossguard.monitor.config import load_monitor_config
 
@@ -166,8 +166,8 @@ def _state(config_path: str, create: bool = False) -> StateStore:
     if not create and not path.exists():
         raise ConfigError(f"state.path: no state database at {path}; has the monitor run?")
     try:
-        return StateStore(path)
-    except StateError as exc:
+        return AlertStore(path)
+    except AlertStoreError as exc:
         raise ConfigError(f"state.path: {exc}") from None
 
 

@@ -1,22 +1,26 @@
 """``monitor.yml``: validated like the agent's config (pydantic, one-line errors that name the
-key). Durations are Prometheus durations (``1s``, ``5m``, ``1h30m``); relative paths are taken
-from the config file's folder, as Prometheus does for its rule files."""
+key). Durations are Prometheus durations (``1s``, ``5m``, ``1h30m``), held as ``Duration``s;
+relative paths are taken from the config file's folder, as Prometheus does for its rule files.
+Validation reads neither the environment nor the user database: the tokens, secrets and
+trusted owners are looked up at start (``webhook_token``, ``owner_ids``, ``read_secrets``)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from lossguard.common.config import (
     ConfigError,
+    Duration,
+    LooseDuration,
+    PositiveDuration,
     Section,
     field_error,
     read_config_file,
-    seconds,
     validate,
 )
 from lossguard.common.control.protocol import MIN_TOKEN_LENGTH
@@ -28,22 +32,11 @@ from lossguard.monitor.validation import http_url
 DEFAULT_PORT = 9409
 
 
-class _Durations(Section):
-    """A section whose ``*interval``/``*timeout``/``*_after`` fields are Prometheus durations."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _duration(cls, value: Any, info: Any) -> Any:
-        if info.field_name.endswith(("interval", "timeout", "_after")) and value is not None:
-            if seconds(str(value)) <= 0:
-                raise ValueError("must be a positive duration")
-            return str(value)
-        return value
-
-
-class ScrapeConfig(_Durations):
-    interval: str = Field(default="1s", description="How often every target is scraped.")
-    timeout: str | None = Field(
+class ScrapeConfig(Section):
+    interval: PositiveDuration = Field(
+        default=Duration("1s"), description="How often every target is scraped."
+    )
+    timeout: PositiveDuration | None = Field(
         default=None, description="Per scrape; default: the interval, at most 10s."
     )
     job: str = Field(default="lossguard-agent", description="The `job` label of agent series.")
@@ -57,8 +50,8 @@ class ScrapeConfig(_Durations):
     runs_root: Path | None = Field(
         default=None, description="Discover agents from runs_root/*/agent.json."
     )
-    forget_dead_runs_after: str = Field(
-        default="24h",
+    forget_dead_runs_after: PositiveDuration = Field(
+        default=Duration("24h"),
         description="Stop watching a run whose process died on this host this long after its "
         "last sign of life (its dead-run alert resolves).",
     )
@@ -81,24 +74,18 @@ class ScrapeConfig(_Durations):
             http_url(url)
         return targets
 
-    @field_validator("trusted_owners")
-    @classmethod
-    def _users(cls, owners: list[str | int]) -> list[str | int]:
-        user_ids(owners)  # ValueError: no such user
-        return owners
-
     @model_validator(mode="after")
     def _timeout_within_interval(self) -> ScrapeConfig:
-        if self.timeout is not None and seconds(self.timeout) > seconds(self.interval):
+        if self.timeout is not None and self.timeout.seconds > self.interval.seconds:
             raise field_error("timeout", "must not exceed scrape.interval")
         if self.file_sd_path is not None and self.runs_root is None:
             raise field_error("file_sd_path", "needs scrape.runs_root")
         return self
 
 
-class PrometheusConfig(_Durations):
+class PrometheusConfig(Section):
     url: str = Field(description="Base URL of the Prometheus server, e.g. http://127.0.0.1:9090.")
-    timeout: str = "10s"
+    timeout: PositiveDuration = Duration("10s")
 
     @field_validator("url")
     @classmethod
@@ -106,17 +93,17 @@ class PrometheusConfig(_Durations):
         return http_url(url).rstrip("/")
 
 
-class DiscoveryConfig(_Durations):
-    forget: str = Field(
-        default="10m",
+class DiscoveryConfig(Section):
+    forget: LooseDuration = Field(
+        default=Duration("10m"),
         description="Keep a run's announced endpoints (lossguard_agent_info) this long after "
         "its series was last seen, then forget the run.",
     )
 
 
-class RulesConfig(_Durations):
+class RulesConfig(Section):
     files: list[Path] = Field(min_length=1, description="Prometheus-format rule files.")
-    evaluation_interval: str = "1s"
+    evaluation_interval: PositiveDuration = Duration("1s")
     external_labels: dict[str, str] = Field(default_factory=dict)
     external_url: str = ""
 
@@ -135,6 +122,14 @@ class ListenConfig(Section):
         "/api/v1/alertmanager and POST /api/v1/runs/{run_id}/control require; without it, "
         "both are off (on loopback too).",
     )
+
+
+def owner_ids(scrape: ScrapeConfig) -> frozenset[int]:
+    """The uids of ``scrape.trusted_owners``, looked up at start (ConfigError: no such user)."""
+    try:
+        return user_ids(scrape.trusted_owners)
+    except ValueError as exc:
+        raise ConfigError(f"scrape.trusted_owners: {exc}") from None
 
 
 def webhook_token(listen: ListenConfig, environ: Mapping[str, str] | None = None) -> str | None:

@@ -12,14 +12,13 @@ import time
 from types import FrameType
 from typing import Any
 
-from lossguard.common.config import seconds
-from lossguard.common.ownership import user_ids
 from lossguard.monitor.actions.corroborate import Corroborator, confirm_window_s
 from lossguard.monitor.actions.engine import Actions, Refusal
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.outcomes import hold_for
-from lossguard.monitor.config import MonitorConfig, webhook_token
+from lossguard.monitor.alert_store import AlertStore
+from lossguard.monitor.config import MonitorConfig, owner_ids, webhook_token
 from lossguard.monitor.http.read_api import api_routes
 from lossguard.monitor.http.server import MonitorServer
 from lossguard.monitor.metrics import MonitorMetrics
@@ -47,7 +46,6 @@ from lossguard.monitor.sources.file_sd import FileSdWriter
 from lossguard.monitor.sources.liveness import DeadRun
 from lossguard.monitor.sources.prometheus import PrometheusSource
 from lossguard.monitor.sources.scrape import ScrapeSource
-from lossguard.monitor.state import StateStore
 
 log = logging.getLogger("lossguard.monitor")
 RETENTION_MARGIN_S = 60.0
@@ -58,11 +56,11 @@ class Monitor:
 
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
-        self.interval_s = seconds(config.rules.evaluation_interval)
+        self.interval_s = config.rules.evaluation_interval.seconds
         groups = self._load_rules()  # RuleError: the caller exits 2
         secrets = read_secrets(config.notifications)  # ConfigError: the caller exits 2
-        trust_owners(user_ids(config.scrape.trusted_owners))
-        self.store = StateStore(config.state.path)
+        trust_owners(owner_ids(config.scrape))  # ConfigError: the caller exits 2
+        self.store = AlertStore(config.state.path)
         self.metrics = MonitorMetrics()
         self._unrecorded: list[Transition] = []
         self._unrecorded_rules: set[str] = set()
@@ -87,7 +85,7 @@ class Monitor:
         )
         facts = RunFacts(self.source)
         self.announced = AnnouncedRuns(
-            seconds(config.discovery.forget), self.metrics.refused_announcement
+            config.discovery.forget.seconds, self.metrics.refused_announcement
         )
         self.dispatcher = Dispatcher(
             self.store,
@@ -118,8 +116,8 @@ class Monitor:
         self.deliverer = Deliverer(
             self.dispatcher.store,
             integrations,
-            timeout_s=seconds(delivery.timeout),
-            backoff=Backoff(seconds(delivery.min_backoff), seconds(delivery.max_backoff)),
+            timeout_s=delivery.timeout.seconds,
+            backoff=Backoff(delivery.min_backoff.seconds, delivery.max_backoff.seconds),
             observe=self.metrics.notified,
         )
         self.metrics.watch_outbox(self.dispatcher.store)
@@ -152,25 +150,25 @@ class Monitor:
         """The longest the monitor's view takes to show a new value: an evaluation, after a
         scrape where the monitor scrapes (its Prometheus has the value it alerted on)."""
         scraping = self.config.source != "prometheus"
-        return self.interval_s + (seconds(self.config.scrape.interval) if scraping else 0.0)
+        return self.interval_s + (self.config.scrape.interval.seconds if scraping else 0.0)
 
     def _make_source(self, groups: list[RuleGroup]) -> Source:
         if self.config.source == "prometheus":
             assert self.config.prometheus is not None  # checked by the config
             return PrometheusSource(
-                self.config.prometheus.url, timeout_s=seconds(self.config.prometheus.timeout)
+                self.config.prometheus.url, timeout_s=self.config.prometheus.timeout.seconds
             )
         scrape = self.config.scrape
         return ScrapeSource(
             static_targets=scrape.targets,
             file_sd_files=scrape.file_sd_files,
             runs_root=scrape.runs_root,
-            interval_s=seconds(scrape.interval),
-            timeout_s=seconds(scrape.timeout) if scrape.timeout else None,
+            interval_s=scrape.interval.seconds,
+            timeout_s=None if scrape.timeout is None else scrape.timeout.seconds,
             job=scrape.job,
             retention_s=longest_range_s(groups) + RETENTION_MARGIN_S,
             keep_names=_kept_names(groups),
-            forget_dead_after_s=seconds(scrape.forget_dead_runs_after),
+            forget_dead_after_s=scrape.forget_dead_runs_after.seconds,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -249,7 +247,7 @@ class Monitor:
         scrape = self.config.scrape
         if scrape.runs_root is None:
             return []
-        forget_after_s = seconds(scrape.forget_dead_runs_after)
+        forget_after_s = scrape.forget_dead_runs_after.seconds
         return discover(scrape.runs_root, now=t, forget_after_s=forget_after_s).dead
 
     def act(self, now: float) -> None:
@@ -448,8 +446,8 @@ def _file_sd_writer(config: MonitorConfig) -> FileSdWriter | None:
     return FileSdWriter(
         scrape.file_sd_path,
         scrape.runs_root,
-        interval_s=seconds(scrape.interval),
-        forget_dead_after_s=seconds(scrape.forget_dead_runs_after),
+        interval_s=scrape.interval.seconds,
+        forget_dead_after_s=scrape.forget_dead_runs_after.seconds,
         job=scrape.job,
     )
 

@@ -17,16 +17,16 @@ from lossguard.common.catalogue import STEP, exposed_name
 from lossguard.common.control.address import join_address
 from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.notify.model import RUN_LABEL
 from lossguard.monitor.promql import PromQLError
 from lossguard.monitor.promql.model import label_value
 from lossguard.monitor.sources import Source, SourceError, TargetStatus
 from lossguard.monitor.sources.announced import AnnouncedRun, AnnouncedRuns
 from lossguard.monitor.sources.discovery import announced_runs
-from lossguard.monitor.state import StateStore
 from lossguard.monitor.views import active_alerts
 
-log = logging.getLogger("lossguard.monitor.api")
+log = logging.getLogger("lossguard.monitor")
 
 RUN_METRICS = {
     "step": STEP,
@@ -74,7 +74,7 @@ class RunsView:
         self,
         runs_root: Path | None,
         source: Source,
-        state: StateStore,
+        state: AlertStore,
         announced: AnnouncedRuns | None = None,
     ) -> None:
         self.runs_root = runs_root

@@ -11,16 +11,16 @@ from typing import Any
 import requests
 
 from lossguard.monitor.actions.store import ActionStore
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.notify.store import DEAD, PENDING, NotifyStore, OutboxEntry
 from lossguard.monitor.rules.alerting import AlertState
-from lossguard.monitor.state import StateStore
 from lossguard.monitor.views import action_json, active_alerts
 
 LISTED = 20  # pending notifications and dead letters shown
 
 
-def collect(state: StateStore, timeout_s: float = 2.0) -> dict[str, Any]:
+def collect(state: AlertStore, timeout_s: float = 2.0) -> dict[str, Any]:
     """Everything the status shows, as plain data (also the ``--json`` output)."""
     now = time.time()
     notify = NotifyStore(state)

@@ -8,10 +8,10 @@ from typing import Any
 from lossguard.monitor.actions.describe import describe
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.raised import RaisedAlerts
-from lossguard.monitor.state import StateStore, value_text
+from lossguard.monitor.alert_store import AlertStore, value_text
 
 
-def active_alerts(state: StateStore) -> list[dict[str, Any]]:
+def active_alerts(state: AlertStore) -> list[dict[str, Any]]:
     """The pending and firing alerts as the last evaluation recorded them, the monitor's own
     (pages and announcements) included, longest in their state first. ``since``: when the alert
     entered its state; ``value`` as text (NaN included)."""

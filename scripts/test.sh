@@ -11,10 +11,10 @@ command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v amtool >/dev/null 2>&1 || missing+=(prometheus-alertmanager)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # opens the run report (headless)
-# a single-host Slurm (tests/slurm.py): the sbatch template's requeue, for real
+# a single-host Slurm (tests/support/slurm.py): the sbatch template's requeue, for real
 command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || missing+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || missing+=(munge)
-# network namespaces as simulated hosts (tests/netns.py): a monitor on its own host
+# network namespaces as simulated hosts (tests/support/netns.py): a monitor on its own host
 command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || missing+=(iproute2)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then

@@ -31,7 +31,7 @@ from lossguard.common.control.client import (
     ControlUnavailable,
 )
 from lossguard.common.exitcodes import EXIT_CONFIG, EXIT_PERMANENT
-from lossguard.common.rundir.names import SUPERVISOR_SOCKET
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.supervisor.follower import Follower
 from lossguard.supervisor.multinode import PlacementError, placement
 from lossguard.supervisor.supervisor import (
@@ -269,7 +269,7 @@ def _supervise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
 def _client(args: argparse.Namespace) -> ControlClient:
     """A client for the supervisor that ``--run-dir`` or ``--tcp`` names."""
     if args.tcp is None:
-        socket_path = args.run_dir / SUPERVISOR_SOCKET
+        socket_path = RunPaths.of(args.run_dir).supervisor_socket
         return ControlClient(socket_path=socket_path, timeout=REPLY_TIMEOUT_S)
     address = _address("--tcp", args.tcp, any_port=False)
     token = _token("--tcp", args.token_env)

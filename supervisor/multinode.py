@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lossguard.common.rundir.files import write_atomically
-from lossguard.common.rundir.names import COORDINATION_DIR
+from lossguard.common.rundir.paths import RunPaths
 
 DECISION_FILE = "decision.json"
 HEARTBEAT_S = 2.0
@@ -73,7 +73,7 @@ class Coordination:
     """The files through which the nodes of one run agree."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / COORDINATION_DIR
+        self.path = RunPaths.of(run_dir).coordination
         self.path.mkdir(parents=True, exist_ok=True)
 
     def write_decision(self, decision: Decision) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lossguard.common.exitcodes import ENDS_THE_RUN, EXIT_CODES, EXIT_PREEMPTED, EXIT_STOPPED
 from lossguard.common.rundir.agent_file import AgentInfo
-from lossguard.common.rundir.names import AGENT_FILE
+from lossguard.common.rundir.paths import RunPaths
 
 # of several nodes' run-ending codes, the first in this order is the run's
 PRECEDENCE = (
@@ -28,7 +28,7 @@ def child_outcome(status: int, run_dir: Path, started_at: float) -> int | None:
     if status in ENDS_THE_RUN:
         return status
     try:
-        agent = AgentInfo.parse((run_dir / AGENT_FILE).read_bytes())
+        agent = AgentInfo.parse(RunPaths.of(run_dir).agent.read_bytes())
     except (OSError, ValueError):
         return None
     fresh = agent.finished_at is not None and agent.finished_at >= started_at

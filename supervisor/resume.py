@@ -8,13 +8,13 @@ from pathlib import Path
 
 from lossguard.common.rundir.checkpoints import CheckpointMeta, list_checkpoints
 from lossguard.common.rundir.metrics_log import last_logged
-from lossguard.common.rundir.names import CHECKPOINT_DIR
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.common.rundir.targets import ordered
 
 
 def step_reached(run_dir: Path) -> int | None:
     """How far the run got: its last logged step or its newest checkpoint, whichever is later."""
-    metas = list_checkpoints(run_dir / CHECKPOINT_DIR)
+    metas = list_checkpoints(RunPaths.of(run_dir).checkpoints)
     logged = last_logged(run_dir).step
     steps = [s for s in (logged, metas[-1].step if metas else None) if s is not None]
     return max(steps) if steps else None
@@ -35,7 +35,7 @@ class ResumePlanner:
         starting over)."""
         metas = [
             m
-            for m in list_checkpoints(self.run_dir / CHECKPOINT_DIR)
+            for m in list_checkpoints(RunPaths.of(self.run_dir).checkpoints)
             if self.below_step is None or m.step < self.below_step
         ]
         chosen = next(iter(ordered(metas, "last_good") or ordered(metas, "latest")), None)

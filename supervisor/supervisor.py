@@ -43,7 +43,7 @@ from lossguard.common.rundir.events import (
     SUPERVISOR_START,
 )
 from lossguard.common.rundir.files import write_atomically
-from lossguard.common.rundir.names import SUPERVISOR_FILE, SUPERVISOR_SOCKET
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.common.rundir.supervisor_file import (
     SupervisorInfo,
     SupervisorState,
@@ -389,7 +389,7 @@ class Supervisor:
         self.metrics.set_state(state)
         # as private as the run now (the agent applies run.mode after the supervisor starts)
         mode = shared_file_mode(self.run_dir)
-        write_atomically(self.run_dir / SUPERVISOR_FILE, self.info.to_json(), mode=mode)
+        write_atomically(RunPaths.of(self.run_dir).supervisor, self.info.to_json(), mode=mode)
 
     def _start_services(self) -> None:
         """The control (socket, and TCP when asked for) and the exporter; a TCP listener that
@@ -397,7 +397,7 @@ class Supervisor:
         tcp = self.options.control_tcp
         try:
             self.server = ControlServer(
-                socket_path=self.run_dir / SUPERVISOR_SOCKET,
+                socket_path=RunPaths.of(self.run_dir).supervisor_socket,
                 tcp=tcp.bind if tcp is not None else None,
                 token=tcp.token if tcp is not None else None,
                 on_refused=self.metrics.control_refused,

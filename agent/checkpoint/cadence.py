@@ -8,8 +8,9 @@ import time
 from typing import Any
 
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
-from lossguard.agent.config import CheckpointConfig, Config, SnapshotConfig
+from lossguard.agent.config import CheckpointConfig, GuardConfig, SnapshotConfig
 from lossguard.agent.distributed import all_reduce_max
+from lossguard.agent.restored import Restored
 from lossguard.common.sizes import budget_bytes
 
 
@@ -31,7 +32,7 @@ class Due:
     """What the step boundary just reached takes at the next poll: the periodic checkpoint
     (``save``) and the snapshot (``snapshot``; one not taken yet stays due)."""
 
-    def __init__(self, config: Config, group: Any) -> None:
+    def __init__(self, config: GuardConfig, group: Any) -> None:
         self.config = config
         self.group = group
         self.save = False
@@ -44,6 +45,10 @@ class Due:
         )
         every = self.config.snapshot.every
         self.snapshot = self.snapshot or (every is not None and step % every == 0)
+
+    def restored(self, restored: Restored) -> None:
+        """After a restore: what this boundary was due to take belongs to the timeline left."""
+        self.save = self.snapshot = False
 
 
 def snapshot_store(cfg: SnapshotConfig) -> SnapshotStore | None:

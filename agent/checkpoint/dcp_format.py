@@ -44,6 +44,7 @@ from lossguard.agent.checkpoint.background import start_writer
 from lossguard.agent.checkpoint.snapshots import restore_into
 from lossguard.agent.checkpoint.store import CheckpointStore, OnDone
 from lossguard.agent.distributed import collective, control_group
+from lossguard.agent.run_context import RunContext
 from lossguard.common.rundir.checkpoints import DCP_FORMAT, CheckpointMeta, error_line
 from lossguard.common.rundir.files import sha256_file, write_synced
 
@@ -131,25 +132,23 @@ class DcpCheckpoints:
 
     def __init__(
         self,
+        ctx: RunContext,
         root: Path,
         sharded: ShardedState,
         *,
         store: CheckpointStore | None,
-        rank: int,
-        world_size: int,
-        device: torch.device,
         timeout_s: float,
     ) -> None:
         self.root = root
         self.sharded = sharded
         self.store = store
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
         self.group = control_group(timeout_s, "new_group: the dcp save group")
         # the state is staged into host buffers made at the first save and reused: on GPUs
         # pinned, by the writer's own stager (torch 2.11's DefaultStager cannot copy DTensors
         # there); on CPU by one DefaultStager kept from save to save (it caches its copies)
-        cuda = device.type == "cuda"
+        cuda = ctx.device.type == "cuda"
         self.writer = FileSystemWriter(root, cache_staged_state_dict=True) if cuda else None
         self.stager: BlockingAsyncStager | DefaultStager = self.writer or DefaultStager(
             StagingOptions(False, False, False, False)

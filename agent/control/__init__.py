@@ -1,1 +1,1 @@
-"""Control: the socket server, the commands applied at a step boundary, and ``lossguard-ctl``."""
+"""Control: the socket server and the commands applied at a step boundary."""

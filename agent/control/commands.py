@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from lossguard.agent.checkpoint.formats import OnSaved, RestoreError
 from lossguard.agent.checkpoint.snapshots import SnapshotStore
 from lossguard.agent.checkpoint.store import CheckpointStore
 from lossguard.agent.distributed import all_reduce_max, broadcast_objects
-from lossguard.agent.recovery import OnSaved, RestoreError
-from lossguard.agent.telemetry.collector import Telemetry
+from lossguard.agent.run_context import RunContext
 from lossguard.common.control.protocol import (
     ErrorCode,
     Request,
@@ -91,23 +91,17 @@ class CommandRunner:
     def __init__(
         self,
         target: Controllable,
+        ctx: RunContext,
         *,
         control: ControlServer | None,
         store: CheckpointStore | None,
         snapshots: SnapshotStore | None,
-        telemetry: Telemetry | None,
-        group: Any,
-        rank: int,
-        world_size: int,
     ) -> None:
         self.target = target
+        self.ctx = ctx
         self.control = control
         self.store = store
         self.snapshots = snapshots
-        self.telemetry = telemetry
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
 
     def gather(
         self, *, wait: bool, signalled: int
@@ -116,10 +110,11 @@ class CommandRunner:
         of any rank (``signalled``: this one's, ``StopSignals.kind``)."""
         control = self.control
         pending = control.take(PAUSED_WAIT_S if wait else 0.0) if control is not None else []
-        count, any_signalled = all_reduce_max([len(pending), signalled], self.group, GATHER)
+        group = self.ctx.group
+        count, any_signalled = all_reduce_max([len(pending), signalled], group, GATHER)
         requests = [p.request for p in pending]
-        if count and self.world_size > 1:
-            (requests,) = broadcast_objects([requests], self.group, BROADCAST)
+        if count and self.ctx.world_size > 1:
+            (requests,) = broadcast_objects([requests], group, BROADCAST)
         handles: list[PendingCommand | None] = list(pending) or [None] * len(requests)
         return list(zip(requests, handles, strict=True)), int(any_signalled)
 
@@ -139,8 +134,8 @@ class CommandRunner:
                 ok=message["ok"],
                 **({"result": outcome} if message["ok"] else {"error": message["error"]}),
             )
-            if self.telemetry is not None and self.rank == 0:
-                self.telemetry.command_applied(request.cmd, message["ok"])
+            if self.ctx.main:
+                self.ctx.telemetry.command_applied(request.cmd, message["ok"])
             if pending is not None:
                 pending.resolve(message)
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from lossguard.agent.config import ControlConfig
+from lossguard.agent.config import ControlConfig, control_token
 from lossguard.common.config import ConfigError
 from lossguard.common.control.server import (
     ControlServer,
@@ -15,7 +14,7 @@ from lossguard.common.control.server import (
     RefusedHook,
     RejectHook,
 )
-from lossguard.common.rundir.names import SOCKET_NAME
+from lossguard.common.rundir.paths import RunPaths
 
 
 def serve_control(
@@ -35,9 +34,9 @@ def serve_control(
         tcp = (host, int(port))
     try:
         server = ControlServer(
-            socket_path=run_dir / SOCKET_NAME if config.socket else None,
+            socket_path=RunPaths.of(run_dir).socket if config.socket else None,
             tcp=tcp,
-            token=os.environ.get(config.token_env) if tcp else None,
+            token=control_token(config) if tcp else None,
             on_reject=on_reject,
             on_refused=on_refused,
             answered=answered,

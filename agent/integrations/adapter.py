@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lossguard.agent.config import Config
+from lossguard.agent.checkpoint.formats import OnSaved, RestoreError, Stateful
+from lossguard.agent.config import GuardConfig
 from lossguard.agent.guard import Guard
-from lossguard.agent.recovery import OnSaved, RestoreError, Stateful
 from lossguard.common.control.protocol import ABANDONED, SkipBatches, Target
 from lossguard.common.rundir.events import CONTINUED
 from lossguard.common.rundir.supervisor_file import RESUME_ENV
@@ -139,7 +139,7 @@ class FrameworkRun:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Stateful | None,
-        config: Config | None,
+        config: GuardConfig | None,
         max_steps: int | None,
         global_step: int,
         grad_clip: float | None = None,
@@ -251,7 +251,7 @@ class GuardedCallback:
         self,
         run_dir: str | Path,
         *,
-        config: Config | None = None,
+        config: GuardConfig | None = None,
         tokens_per_step: int | None = None,
         overwrite: bool = False,
     ) -> None:
@@ -283,7 +283,7 @@ class GuardedCallback:
             self.run = None
 
 
-def framework_wandb_conflict(framework: str, config: Config | None) -> None:
+def framework_wandb_conflict(framework: str, config: GuardConfig | None) -> None:
     """Refuse lossguard's own W&B logging beside the framework's (two W&B runs in one
     process); the framework's logger already has the run."""
     if config is not None and config.wandb.enabled:

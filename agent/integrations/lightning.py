@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import (
     XLAStrategy,
 )
 
-from lossguard.agent.config import Config
+from lossguard.agent.config import GuardConfig
 from lossguard.agent.integrations.adapter import (
     GuardedCallback,
     batch_inputs,
@@ -78,7 +78,7 @@ class LossguardCallback(GuardedCallback, pl.Callback):
         self,
         run_dir: str | Path,
         *,
-        config: Config | None = None,
+        config: GuardConfig | None = None,
         tokens_per_step: int | None = None,
         overwrite: bool = False,
         val_loss_key: str = "val_loss",

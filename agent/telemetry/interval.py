@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from lossguard.agent.distributed import all_reduce_max_tensor, all_reduce_sum
-from lossguard.common.catalogue import SIGNALS
 from lossguard.common.rundir.events import NONFINITE, SPIKE
 
 
@@ -119,10 +118,10 @@ class DetectionAudit:
 
     def new(self, stats: Mapping[str, Mapping[str, float]]) -> list[tuple[str, dict[str, Any]]]:
         """``(event, fields)`` for each signal whose spike or non-finite total went up;
-        ``stats``: each signal's detector statistics, by name (``Telemetry.publish``)."""
+        ``stats``: each signal's detector statistics, by name in ``SIGNALS`` order
+        (``Telemetry.publish``; none while telemetry is off)."""
         found: list[tuple[str, dict[str, Any]]] = []
-        for signal_name in SIGNALS:
-            values = stats[signal_name]
+        for signal_name, values in stats.items():
             for event, counter in ((SPIKE, "spikes_total"), (NONFINITE, "nonfinite_total")):
                 key = f"{signal_name}_{counter}"
                 total, seen = int(values[counter]), self._seen.get(key, 0)

@@ -8,17 +8,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import astuple
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroup
 
 from lossguard.agent.distributed import all_gather_objects
+from lossguard.agent.restored import Restored
+from lossguard.agent.run_context import RunContext
 from lossguard.agent.telemetry.batch_tokens import BatchTokens
-from lossguard.agent.telemetry.collector import SignalStats, Telemetry, signal_stats
 from lossguard.agent.telemetry.diagnosis import IntervalContext, PrecisionHistory, diagnose
+from lossguard.agent.telemetry.hub import SignalStats, signal_stats
 from lossguard.agent.telemetry.interval import DetectionAudit, Interval, IntervalTotals
 from lossguard.agent.telemetry.level_shift import LevelShift, accept_level_shift
 from lossguard.agent.telemetry.lr_watch import LrWatch
@@ -36,42 +37,37 @@ class IntervalLog:
 
     def __init__(
         self,
+        ctx: RunContext,
         interval: Interval,
         *,
-        telemetry: Telemetry | None,
-        world_size: int,
         optimizer: torch.optim.Optimizer | None,
         scaler: torch.amp.GradScaler | None,
         state: Mapping[str, object],
         fp16_unscaled: bool,
-        event: Callable[..., None],
         lr_watch: LrWatch | None = None,
         tokens: BatchTokens | None = None,
-        group: ProcessGroup | None = None,
-        rank: int = 0,
     ) -> None:
+        self.ctx = ctx
         self.interval = interval
-        self.telemetry = telemetry
-        self.world_size = world_size
+        self.telemetry = ctx.telemetry
+        self.world_size = ctx.world_size
         self.optimizer = optimizer
         self.scaler = scaler
         self.state = state
         self.fp16_unscaled = fp16_unscaled
-        self.event = event
+        self.event = ctx.event
         self.detections = DetectionAudit()
         self.episode: dict[str, Any] | None = None
         self.lr_before: float | None = None  # at the end of the last log interval
         self.precision = PrecisionHistory()  # loss scale and FP8 overflow at earlier intervals
         self.lr_watch = lr_watch  # each step's lr against the schedule
         self.tokens = tokens  # each step's token statistics, read at detections only
-        self.group = group  # the control group: every rank's token statistics are gathered
-        self.rank = rank  # rank 0 logs what it audits
         self.start: tuple[int, int | None] = (0, None)  # (step, data position)
         self.logged_healthy: bool | None = True  # as of the last interval (None: unknown)
         # an optimizer's own counters (SPAM: momentum resets, clipped entries), on the device
         self.optimizer_totals: torch.Tensor | None = getattr(optimizer, "metric_totals", None)
-        if telemetry is not None and self.optimizer_totals is not None:
-            telemetry.count_optimizer()
+        if self.optimizer_totals is not None:
+            self.telemetry.count_optimizer()
 
     def learning_rate(self) -> float | None:
         if self.optimizer is None:
@@ -88,7 +84,7 @@ class IntervalLog:
         run's total, ``tokens_before`` plus this interval's."""
         if self.interval.steps == 0:
             return None
-        stats = self.telemetry.stats() if self.telemetry is not None else None
+        stats = self.telemetry.stats()  # None: no detectors (telemetry off)
         totals = self.interval.read(stats, self.optimizer_totals)  # the one sync
         elapsed = totals.elapsed
         record: dict[str, Any] = {
@@ -113,7 +109,7 @@ class IntervalLog:
         for name, total in zip(OPTIMIZER_COUNTERS, totals.optimizer, strict=False):
             record[name] = int(total)  # this rank's, since the process started
         active = False
-        if self.telemetry is not None:
+        if stats is not None:
             by_signal = signal_stats(totals.stats)
             shift = accept_level_shift(self.telemetry.detectors, by_signal, step)
             self.telemetry.publish(record, by_signal, float(totals.local_tokens), elapsed)
@@ -134,7 +130,7 @@ class IntervalLog:
         """Audit the spike episodes and non-finite values new since the last read, each with
         its diagnosis; the most telling one of them becomes ``episode``."""
         found = self.detections.new(stats)
-        if not found or self.telemetry is None:
+        if not found:
             return
         context = self._context(totals, step)
         candidates = []
@@ -159,7 +155,7 @@ class IntervalLog:
             level=shift.level,
             trend=shift.trend,
         )
-        if self.rank == 0:
+        if self.ctx.main:
             log.info(
                 "%s level shift: from %.4g to %.4g since step %d, flat or falling for %d steps "
                 "(rise %.2f of the jump); taken as the new level, the episode ended",
@@ -175,12 +171,11 @@ class IntervalLog:
         """An operator's word that the level changes from ``step`` on (``request_id``: the
         control command's; None: the training loop's own call): the detectors take the current
         level as their baseline, audited and logged. Returns the reply's result."""
-        if self.telemetry is not None:
-            self.telemetry.rebase()
+        self.telemetry.rebase()
         self.logged_healthy = None  # the episode the last interval saw has ended: judge anew
         by = {"by": "api"} if request_id is None else {"by": "control", "id": request_id}
         self.event(EXPECTED_CHANGE, reason=reason, **by)
-        if self.rank == 0:
+        if self.ctx.main:
             log.info(
                 "expected change at step %d (%s%s): the spike detectors start again from the "
                 "current level",
@@ -194,7 +189,7 @@ class IntervalLog:
         """What a diagnosis needs beside the detector statistics (at detections only: the
         loss scale and the token statistics are one more host read each)."""
         grad_norm_max = totals.grad_norm_max / self.world_size
-        fp8 = self.telemetry.fp8_overflow if self.telemetry is not None else None
+        fp8 = self.telemetry.fp8_overflow
         departure = self.lr_watch.departure if self.lr_watch is not None else None
         start_step, start_position = self.start
         return IntervalContext(
@@ -222,7 +217,9 @@ class IntervalLog:
         if self.tokens is None:
             return None
         return all_gather_objects(
-            self.tokens.read(step), self.group, "all_gather_object: token statistics of a detection"
+            self.tokens.read(step),
+            self.ctx.group,
+            "all_gather_object: token statistics of a detection",
         )
 
     def healthy(self, last_train_loss: float | None) -> bool:
@@ -234,47 +231,46 @@ class IntervalLog:
             return self.logged_healthy
         interval_finite = self.interval.finite()
         last = last_train_loss
-        in_episode = self.telemetry is not None and self.telemetry.episode_active()
+        in_episode = self.telemetry.episode_active()
         return interval_finite and (last is None or math.isfinite(last)) and not in_episode
 
-    def episode_start(self, step: int) -> int | None:
-        """The first step of the earliest spike episode still open on this rank (None: none
-        is). One host read, at a rollback only."""
-        if self.telemetry is None:
+    def before_rollback(self, step: int) -> tuple[dict[str, Any] | None, int | None]:
+        """Before a rollback from ``step``: audit what the detectors saw since the last log
+        interval (one collective read), so the steps about to be abandoned have their
+        diagnosis. Returns the latest ``episode`` and the first step of the earliest spike
+        episode still open on this rank (None: none is; one more host read)."""
+        if self.interval.steps:
+            stats = self.telemetry.stats()
+            if stats is not None:
+                totals = self.interval.read(stats)
+                self.audit(signal_stats(totals.stats), totals, step)
+        return self.episode, self._episode_start(step)
+
+    def _episode_start(self, step: int) -> int | None:
+        own = self.telemetry.stats()  # this rank's
+        if own is None:
             return None
         starts = [
             step - int(s["duration"]) + 1
-            for s in signal_stats(self.telemetry.stats().tolist()).values()
+            for s in signal_stats(own.tolist()).values()
             if s["active"]
         ]
         return min(starts, default=None)
 
-    def catch_up(self, step: int) -> None:
-        """Before a rollback: audit what the detectors saw since the last log interval (one
-        collective read), so the steps about to be abandoned have their diagnosis."""
-        if self.telemetry is None or self.interval.steps == 0:
-            return
-        totals = self.interval.read(self.telemetry.stats())
-        self.audit(signal_stats(totals.stats), totals, step)
-
-    def restart(self, step: int) -> None:
-        """After a restore (and its skipped batches, and a new lr scale): diagnoses compare
-        with the state training goes on from."""
-        self.lr_before = self.learning_rate()
-        scale = float(self.scaler.get_scale()) if self.scaler is not None else None
-        self.precision.loss_scale_before = scale
-        self.start = (step, self.data_position())
-
-    def restored(self, step: int) -> None:
-        """After a restore: a new timeline; what was seen after ``step`` did not happen, and
-        the detectors' counters count on from the restored totals."""
+    def restored(self, restored: Restored) -> None:
+        """After a restore: a new timeline; what was seen after its step did not happen, the
+        detectors' counters count on from the restored totals, and diagnoses compare with the
+        state training goes on from (its skipped batches and lr scale included)."""
         self.interval.reset()
         self.episode = None
         self.logged_healthy = None
         if self.lr_watch is not None:
             self.lr_watch.reset()
-        if self.telemetry is not None:
-            self.detections.resync(self.telemetry.resync_totals(step))
+        self.detections.resync(self.telemetry.resync_totals(restored.step))
+        self.lr_before = self.learning_rate()
+        scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+        self.precision.loss_scale_before = scale
+        self.start = (restored.step, restored.position)
 
     def close(self) -> None:
         if self.lr_watch is not None:

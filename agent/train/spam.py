@@ -55,7 +55,7 @@ class SPAM(torch.optim.Optimizer):
     """Adam with momentum resets, a warm-up after each and spike-aware clipping (module doc).
 
     ``honours_found_inf``: it skips a step on the device flag ``found_inf`` as the fused AdamW
-    does (``telemetry.collector.skips_on_device``)."""
+    does (``telemetry.hub.skips_on_device``)."""
 
     honours_found_inf: ClassVar[bool] = True
 

@@ -33,7 +33,7 @@ from lossguard.agent.precision import (
     make_grad_scaler,
     precompute_fp8_scales,
 )
-from lossguard.agent.start_plan import check_start, run_path, start_plan
+from lossguard.agent.resume_plan import check_start, command_plan, run_path
 from lossguard.agent.train.corpus import Batch, BatchSampler, cache_dir, load_data
 from lossguard.agent.train.faults import FaultInjector, check_fault_ranks
 from lossguard.agent.train.flops import flops_per_token
@@ -105,11 +105,13 @@ class Trainer:
     ) -> None:
         """``resume``, ``skip_batches`` and ``overwrite`` are Guard's (``$LOSSGUARD_RESUME``
         wins); a run directory with checkpoints needs one of them (``CheckpointsExist``)."""
-        start = start_plan(resume, skip_batches, overwrite)
+        start = command_plan(resume, skip_batches, overwrite)
         check_start(run_path(cfg), start, afresh=False)  # rank 0's Guard checks a start afresh
         check_fault_ranks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.dist = setup_distributed(
-            cfg.run.device, timeout_s=cfg.distributed.timeout_s, always=cfg.distributed.sharded
+            cfg.run.device,
+            timeout_s=cfg.distributed.timeout.seconds,
+            always=cfg.distributed.sharded,
         )
         self.device = self.dist.device
         cfg = cfg.model_copy(deep=True)

@@ -39,7 +39,7 @@ from lossguard.common.control.protocol import (
 from lossguard.common.jsondepth import load_bounded
 from lossguard.common.rundir.events import COMMAND
 
-log = logging.getLogger("lossguard.agent.control")
+log = logging.getLogger("lossguard.common.control")
 
 MAX_CONNECTIONS = 32  # authenticated TCP peers and Unix socket clients
 REMEMBERED_IDS = 4096

@@ -27,7 +27,7 @@ NAME_RE = re.compile(r"^step_([0-9]{8})$")
 """A checkpoint's folder name; the group is its step."""
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
-log = logging.getLogger("lossguard.agent.checkpoint")
+log = logging.getLogger("lossguard.common.rundir")
 
 
 def checkpoint_name(step: int) -> str:

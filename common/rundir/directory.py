@@ -25,13 +25,13 @@ from lossguard.common.rundir.agent_file import AgentInfo, RunExit
 from lossguard.common.rundir.files import fsync_dir, write_atomically
 from lossguard.common.rundir.jsonl import JsonlLog, read_jsonl
 from lossguard.common.rundir.names import (
-    AGENT_FILE,
     CHECKPOINT_DIR,
     CONFIG_FILE,
     ENV_FILE,
     EVENTS_LOG,
     METRICS_LOG,
 )
+from lossguard.common.rundir.paths import RunPaths
 
 RECORDED_PACKAGES = ("torch", "torchao", "numpy", "pydantic", "prometheus-client", "nvidia-ml-py")
 RUN_RECORDS = (CHECKPOINT_DIR, METRICS_LOG, EVENTS_LOG, CONFIG_FILE, ENV_FILE)
@@ -94,6 +94,7 @@ class RunDirectory:
     def __init__(self, path: Path, mode: int | None = None) -> None:
         """``mode``: the directory's mode (None: 0700 when created, an existing one kept)."""
         self.path = Path(path)
+        self.paths = RunPaths(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             claim_directory(self.path, mode)
@@ -102,16 +103,16 @@ class RunDirectory:
         self.dir_mode = PRIVATE_DIR if mode is None else mode
         """The mode of the folders a run writes (checkpoints)."""
         self.file_mode = self.dir_mode & 0o666
-        self.metrics = JsonlLog(self.path / METRICS_LOG, self.file_mode)
-        self.events = JsonlLog(self.path / EVENTS_LOG, self.file_mode)
+        self.metrics = JsonlLog(self.paths.metrics, self.file_mode)
+        self.events = JsonlLog(self.paths.events, self.file_mode)
 
     def read_events(self) -> list[dict[str, Any]]:
         """The audit trail so far; a line torn by a crash is left out."""
-        return list(read_jsonl(self.path / EVENTS_LOG).records)
+        return list(read_jsonl(self.paths.events).records)
 
     def write_config(self, resolved: Mapping[str, Any]) -> None:
         text = yaml.safe_dump(dict(resolved), sort_keys=False)
-        write_atomically(self.path / CONFIG_FILE, text, mode=self.file_mode)
+        write_atomically(self.paths.config, text, mode=self.file_mode)
 
     def write_env(self, device: Mapping[str, Any], world_size: int) -> None:
         env = {
@@ -125,9 +126,7 @@ class RunDirectory:
             "git_commit": git_commit(),
             "argv": sys.argv,
         }
-        write_atomically(
-            self.path / ENV_FILE, json.dumps(env, indent=2) + "\n", mode=self.file_mode
-        )
+        write_atomically(self.paths.env, json.dumps(env, indent=2) + "\n", mode=self.file_mode)
 
     def write_discovery(
         self,
@@ -148,12 +147,12 @@ class RunDirectory:
             world_size=world_size,
             version=__version__,
         )
-        write_atomically(self.path / AGENT_FILE, info.to_json(), mode=self.file_mode)
+        write_atomically(self.paths.agent, info.to_json(), mode=self.file_mode)
 
     def mark_finished(self, exit: RunExit) -> None:
         """Record in ``agent.json`` how the run ended (completed, stopped or failed), so a
         monitor stops watching a run that ended on purpose and keeps watching one that did not."""
-        path = self.path / AGENT_FILE
+        path = self.paths.agent
         if not path.exists():
             return
         info = AgentInfo.parse(path.read_bytes()).finished(exit, at=time.time())

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lossguard.common.rundir.jsonl import read_tail
-from lossguard.common.rundir.names import METRICS_LOG
+from lossguard.common.rundir.paths import RunPaths
 
 TAIL_BYTES = 64 * 1024
 
@@ -26,7 +26,7 @@ def last_logged(run_dir: Path) -> LastLogged:
     missing file is nothing logged."""
     step: int | None = None
     time: float | None = None
-    for record in reversed(read_tail(run_dir / METRICS_LOG, TAIL_BYTES)):
+    for record in reversed(read_tail(RunPaths.of(run_dir).metrics, TAIL_BYTES)):
         if time is None and _number(record.get("time")):
             time = float(record["time"])
         if step is None and record.get("kind") == "train" and _integer(record.get("step")):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lossguard.common.rundir.jsonl import parse_json_object
-from lossguard.common.rundir.names import SUPERVISOR_FILE
+from lossguard.common.rundir.paths import RunPaths
 
 RESUME_ENV = "LOSSGUARD_RESUME"
 """Set by the supervisor for a restart: the checkpoint (a name such as ``step_00000150``) that
@@ -82,7 +82,7 @@ class SupervisorInfo:
     def read(cls, run_dir: Path) -> SupervisorInfo | None:
         """The run's ``supervisor.json``, or None when it has none or it cannot be read."""
         try:
-            return cls.parse((run_dir / SUPERVISOR_FILE).read_bytes())
+            return cls.parse(RunPaths.of(run_dir).supervisor.read_bytes())
         except (OSError, ValueError):
             return None
 

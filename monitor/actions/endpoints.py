@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lossguard.common.control.address import join_address, split_address
 from lossguard.common.control.client import ControlClient
-from lossguard.common.rundir.names import SUPERVISOR_FILE, SUPERVISOR_SOCKET
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from lossguard.monitor.actions.policy import ActionsConfig
 from lossguard.monitor.sources.announced import AnnouncedRuns
@@ -71,9 +71,10 @@ class Endpoints:
             )
         if run_dir is None:
             raise NoEndpoint(f"run {run_id}: no run directory under the runs root, no supervisor")
-        if not (run_dir / SUPERVISOR_FILE).exists():
+        paths = RunPaths.of(run_dir)
+        if not paths.supervisor.exists():
             raise NoSupervisor(f"run {run_id} has no supervisor (run it under lossguard-supervise)")
-        why = distrusted(run_dir / SUPERVISOR_FILE)
+        why = distrusted(paths.supervisor)
         info = SupervisorInfo.read(run_dir) if why is None else None
         if info is None or info.socket is None:
             raise NoEndpoint(
@@ -82,7 +83,7 @@ class Endpoints:
                 else f"run {run_id}: its supervisor.json names no socket"
             )
         # the run directory's own socket, whatever the file names
-        return ControlClient(socket_path=run_dir / SUPERVISOR_SOCKET, timeout=self.timeout_s)
+        return ControlClient(socket_path=paths.supervisor_socket, timeout=self.timeout_s)
 
     def knows(self, run_id: str) -> bool:
         """Whether some endpoint of ``run_id`` is known."""

@@ -11,9 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lossguard.common.config import seconds
 from lossguard.common.printable import escaped
-from lossguard.common.rundir.names import EVENTS_LOG
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.monitor.actions.corroborate import AwaitingConfirmation, Corroborator
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.diagnosis import latest_diagnosis
@@ -28,11 +27,11 @@ from lossguard.monitor.actions.raised import RaisedAlerts
 from lossguard.monitor.actions.refusals import MAX_HELD, RefusalBudget
 from lossguard.monitor.actions.runner import ActionRunner, Done, Observe
 from lossguard.monitor.actions.store import ActionStore
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo
 from lossguard.monitor.notify.silences import SilenceStore
 from lossguard.monitor.rules.alerting import Alert, AlertState, fingerprint
 from lossguard.monitor.sources.announced import AnnouncedRuns
-from lossguard.monitor.state import StateStore
 
 log = logging.getLogger("lossguard.monitor.actions")
 EXTERNAL_TTL_S = 24 * 3600  # an Alertmanager alert never heard of again is forgotten
@@ -53,7 +52,7 @@ class Actions:
     def __init__(
         self,
         config: ActionsConfig,
-        state: StateStore,
+        state: AlertStore,
         silences: SilenceStore,
         *,
         runs_root: Path | None,
@@ -74,12 +73,12 @@ class Actions:
         self.raised = RaisedAlerts(state)
         self.outcomes = Outcomes(self.raised, announce_for_s)
         self.planner = ActionPlanner(config, self.store, silences, self.outcomes, observe, step_of)
-        self.endpoints = Endpoints(config, runs_root, seconds(config.timeout), announced)
+        self.endpoints = Endpoints(config, runs_root, config.timeout.seconds, announced)
         self.config_path = config_path
         self.runner = ActionRunner(
             self.store,
             self.endpoints,
-            retry_for_s=seconds(config.retry_for),
+            retry_for_s=config.retry_for.seconds,
             observe=observe,
             on_done=on_done,
         )
@@ -236,7 +235,9 @@ class Actions:
         ``signal`` in the run's current timeline (runs under the runs root only)."""
         signal = alert.labels.get("signal")
         run_dir = self.endpoints.run_dir(run_id) if signal and alert.status == "firing" else None
-        found = latest_diagnosis(run_dir / EVENTS_LOG, signal) if run_dir and signal else None
+        found = (
+            latest_diagnosis(RunPaths.of(run_dir).events, signal) if run_dir and signal else None
+        )
         if found is None:
             return alert.annotations
         return {**alert.annotations, "diagnosis": diagnosis_text(found)}

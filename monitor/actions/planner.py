@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from lossguard.common.config import seconds
 from lossguard.monitor.actions.model import ActionAlert, ActionRecord, ActionState
 from lossguard.monitor.actions.outcomes import Outcomes
 from lossguard.monitor.actions.policy import ACTION_LABEL, ACTIONS, ActionsConfig
@@ -115,7 +114,7 @@ class ActionPlanner:
         ]
         if any(r.state == "pending" for r in earlier):
             return []  # one rollback of a run at a time
-        if earlier and now - earlier[-1].created_at < seconds(policy.cooldown):
+        if earlier and now - earlier[-1].created_at < policy.cooldown.seconds:
             return []  # decided again on a later evaluation, if it still fires
         attempts = self._attempts(alert.run_id, earlier, now)
         attempt = attempts + 1

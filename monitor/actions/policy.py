@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lossguard.common.config import Section, seconds
+from lossguard.common.config import Duration, LooseDuration, PositiveDuration, Section
 from lossguard.common.control.address import split_address
 from lossguard.common.control.bearer import DEFAULT_TOKEN_ENV
 from lossguard.common.control.protocol import parse_target
@@ -29,13 +29,6 @@ COMMAND_OF = {
 SUPERVISOR_ACTIONS = ("restart",)
 Trigger = Literal["rules", "alertmanager"]
 TRIGGERS: tuple[Trigger, ...] = ("rules", "alertmanager")
-
-
-def _duration(value: Any) -> str:
-    text = str(value)
-    if seconds(text) < 0:
-        raise ValueError("must not be negative")
-    return text
 
 
 class RollbackPolicy(Section):
@@ -65,7 +58,9 @@ class RollbackPolicy(Section):
         description="Steps of training: an earlier rollback counts as an attempt while the "
         "step it rolled back from lies within this many steps of the run's step now.",
     )
-    cooldown: str = Field(default="30s", description="Least time between two rollbacks of one run.")
+    cooldown: LooseDuration = Field(
+        default=Duration("30s"), description="Least time between two rollbacks of one run."
+    )
     on_exhausted: Literal["pause", "stop", "none"] = Field(
         default="pause",
         description="What to do when the attempts are spent (besides the RollbacksExhausted "
@@ -101,11 +96,6 @@ class RollbackPolicy(Section):
             raise ValueError("each factor must be in (0, 1]")
         return value
 
-    @field_validator("cooldown", mode="before")
-    @classmethod
-    def _durations(cls, value: Any) -> str:
-        return _duration(value)
-
     def scale_for(self, attempt: int) -> float:
         """The learning-rate factor of rollback ``attempt`` (1-based)."""
         return self.lr_scale[min(attempt, len(self.lr_scale)) - 1]
@@ -123,11 +113,12 @@ class ActionsConfig(Section):
         "webhook, or both. Where Prometheus and the monitor evaluate the same rules, keep one, "
         "so that one divergence is one action.",
     )
-    timeout: str = Field(
-        default="2m", description="Wait this long for the agent to apply a command."
+    timeout: PositiveDuration = Field(
+        default=Duration("2m"), description="Wait this long for the agent to apply a command."
     )
-    retry_for: str = Field(
-        default="10m", description="Keep retrying an unreachable agent this long, then fail."
+    retry_for: PositiveDuration = Field(
+        default=Duration("10m"),
+        description="Keep retrying an unreachable agent this long, then fail.",
     )
     rollback: RollbackPolicy = Field(default_factory=RollbackPolicy)
     agents: dict[str, str] = Field(
@@ -141,14 +132,6 @@ class ActionsConfig(Section):
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Environment variable holding the agents' TCP control token.",
     )
-
-    @field_validator("timeout", "retry_for", mode="before")
-    @classmethod
-    def _durations(cls, value: Any) -> str:
-        text = _duration(value)
-        if seconds(text) <= 0:
-            raise ValueError("must be a positive duration")
-        return text
 
     @field_validator("agents")
     @classmethod

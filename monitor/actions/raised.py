@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.rules.alerting import (
     ALERT_NAME,
     Alert,
@@ -21,7 +22,6 @@ from lossguard.monitor.rules.alerting import (
     TransitionKind,
     fingerprint,
 )
-from lossguard.monitor.state import StateStore
 
 RULE_GROUP = "lossguard-actions"
 _SCHEMA = """
@@ -76,7 +76,7 @@ class Raised:
 class RaisedAlerts:
     """Raises and resolves the monitor's own alerts."""
 
-    def __init__(self, state: StateStore) -> None:
+    def __init__(self, state: AlertStore) -> None:
         self.state = state
         with state.transaction() as db:
             db.execute(_SCHEMA)
@@ -116,7 +116,7 @@ class RaisedAlerts:
                 ),
             ).rowcount
             if inserted:
-                StateStore.append_events(db, [Transition(TransitionKind.FIRING, now, alert)])
+                AlertStore.append_events(db, [Transition(TransitionKind.FIRING, now, alert)])
         return bool(inserted)
 
     def resolve_quiet(self, firing: Iterable[Mapping[str, str]], now: float) -> list[Raised]:
@@ -133,7 +133,7 @@ class RaisedAlerts:
             with self.state.transaction() as db:
                 for raised in ended:
                     transition = Transition(TransitionKind.RESOLVED, now, raised.alert)
-                    StateStore.append_events(db, [transition])
+                    AlertStore.append_events(db, [transition])
                     db.execute("DELETE FROM raised_alerts WHERE key = ?", (raised.key,))
         return ended
 

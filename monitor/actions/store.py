@@ -8,7 +8,7 @@ import sqlite3
 from typing import Any
 
 from lossguard.monitor.actions.model import ActionRecord, ActionState, dumps
-from lossguard.monitor.state import StateStore
+from lossguard.monitor.alert_store import AlertStore
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS actions (
@@ -41,7 +41,7 @@ _COLUMNS = (
 class ActionStore:
     """The ``actions`` table, on the state database's connection."""
 
-    def __init__(self, state: StateStore) -> None:
+    def __init__(self, state: AlertStore) -> None:
         self.state = state
         with state.reading() as db:
             db.executescript(_SCHEMA)

@@ -18,7 +18,7 @@ from typing import TextIO
 from lossguard.common.config import seconds
 from lossguard.common.control.client import ControlClient, ControlError, ControlUnavailable
 from lossguard.common.rundir.events import ROLLBACK
-from lossguard.common.rundir.names import SOCKET_NAME
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.monitor.demo.inbox import Inbox
 from lossguard.monitor.demo.scenario import (
     RUN_ID,
@@ -244,7 +244,7 @@ class Demo:
         self._tell(f"stopping the run: {why} (the stop command: save, exit)")
         try:
             with ControlClient(
-                socket_path=self.files.run_dir / SOCKET_NAME, timeout=STOP_TIMEOUT_S
+                socket_path=RunPaths.of(self.files.run_dir).socket, timeout=STOP_TIMEOUT_S
             ) as client:
                 client.request("stop", request_id="demo-stop")
         except (ControlError, ControlUnavailable, OSError) as exc:

@@ -15,17 +15,17 @@ from typing import Any, Literal
 
 from lossguard.common.rundir.events import CHECKPOINT, DETECTIONS, FAULT, ROLLBACK
 from lossguard.common.rundir.jsonl import JsonlFollower
-from lossguard.common.rundir.names import EVENTS_LOG, METRICS_LOG
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.monitor.actions.describe import describe, diagnosis_text
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.outcomes import ANNOUNCED_STATES, TAKEN
 from lossguard.monitor.actions.store import ActionStore
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.notify.integrations.pagerduty import summary as pagerduty_summary
 from lossguard.monitor.notify.integrations.slack import fallback_text
 from lossguard.monitor.notify.model import AlertInfo, announcement
 from lossguard.monitor.notify.store import DEAD, DELIVERED, NotifyStore, OutboxEntry
 from lossguard.monitor.rules.alerting import ALERT_NAME, TransitionKind
-from lossguard.monitor.state import StateStore
 
 Tone = Literal["info", "warn", "bad", "good"]
 SPARK_POINTS = 60
@@ -98,9 +98,10 @@ class Watcher:
         self.sent: list[Sent] = []
         self.status = RunStatus()
         self.monitor_url: str | None = None
-        self._metrics = JsonlFollower(run_dir / METRICS_LOG)
-        self._audit = JsonlFollower(run_dir / EVENTS_LOG)
-        self._state: StateStore | None = None
+        paths = RunPaths.of(run_dir)
+        self._metrics = JsonlFollower(paths.metrics)
+        self._audit = JsonlFollower(paths.events)
+        self._state: AlertStore | None = None
         self._action_store: ActionStore | None = None
         self._notify_store: NotifyStore | None = None
         self._after_event = 0
@@ -216,7 +217,7 @@ class Watcher:
         if url is None:
             return False
         self.monitor_url = url
-        self._state = StateStore(self.state_db)
+        self._state = AlertStore(self.state_db)
         self._action_store = ActionStore(self._state)
         self._notify_store = NotifyStore(self._state)
         return True

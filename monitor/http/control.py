@@ -30,7 +30,7 @@ from lossguard.monitor.http.messages import (
 )
 from lossguard.monitor.runs import read_runs
 
-log = logging.getLogger("lossguard.monitor.api")
+log = logging.getLogger("lossguard.monitor.http")
 BODY_FIELDS = ("id", "cmd", "args")
 
 

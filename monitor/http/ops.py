@@ -16,7 +16,7 @@ from lossguard.monitor.actions.intake import IncomingAlert, IntakeError, parse_w
 from lossguard.monitor.actions.policy import ACTION_LABEL
 from lossguard.monitor.http.messages import Request, Response, Route, Routes, token_refusal
 
-log = logging.getLogger("lossguard.monitor.api")
+log = logging.getLogger("lossguard.monitor.http")
 
 ALERTMANAGER_PATH = "/api/v1/alertmanager"
 DEFAULT_TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"

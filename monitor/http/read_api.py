@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from lossguard.common.rundir.checkpoints import list_checkpoints
-from lossguard.common.rundir.names import CHECKPOINT_DIR
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.common.rundir.targets import NAMED_TARGETS, is_superseded, ordered
 from lossguard.monitor.actions.endpoints import Endpoints
 from lossguard.monitor.actions.store import ActionStore
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.http.control import control_route
 from lossguard.monitor.http.messages import Request, Response, Routes, api_data, api_error
 from lossguard.monitor.runs import RunsView, read_runs
-from lossguard.monitor.state import StateStore
 from lossguard.monitor.views import action_json, active_alerts
 
 RUNS_PATH = "/api/v1/runs"
@@ -26,7 +26,7 @@ MAX_LIMIT = 1000
 
 def api_routes(
     runs: RunsView,
-    state: StateStore,
+    state: AlertStore,
     endpoints: Endpoints,
     *,
     token: str | None,
@@ -55,7 +55,9 @@ def api_routes(
                 f"run {run_id!r}: no run directory known to the monitor (no agent.json under "
                 "scrape.runs_root names it)",
             )
-        return api_data({"run_id": run_id, **checkpoint_list(files.run_dir / CHECKPOINT_DIR)})
+        return api_data(
+            {"run_id": run_id, **checkpoint_list(RunPaths.of(files.run_dir).checkpoints)}
+        )
 
     def alerts(request: Request) -> Response:
         return api_data({"alerts": active_alerts(state)})

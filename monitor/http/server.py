@@ -27,7 +27,7 @@ from lossguard.common.serving import serve_in_background
 from lossguard.monitor.http.messages import Request, Response, Route, Routes, error_for
 from lossguard.monitor.http.ops import DEFAULT_TOKEN_ENV, Health, OnAlerts, Status, monitor_routes
 
-log = logging.getLogger("lossguard.monitor.api")
+log = logging.getLogger("lossguard.monitor.http")
 
 
 MAX_CONNECTIONS = 64  # open at once; Prometheus, Alertmanager and a few scripts need a handful

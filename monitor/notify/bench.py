@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lossguard.common.serving import serve_in_background
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.notify.config import NotificationsConfig, read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
 from lossguard.monitor.notify.dispatcher import Dispatcher
@@ -35,7 +36,6 @@ from lossguard.monitor.rules.alerting import (
     TransitionKind,
     fingerprint,
 )
-from lossguard.monitor.state import StateStore
 
 URL_ENV = "LOSSGUARD_BENCH_WEBHOOK_URL"
 
@@ -75,7 +75,7 @@ def run(alerts: int, runs: int, directory: Path, url: str) -> list[tuple[str, in
         }
     )
     integrations = build_integrations(config, read_secrets(config), "")
-    state = StateStore(directory / "state.db")
+    state = AlertStore(directory / "state.db")
     dispatcher = Dispatcher(state, config, integrations)
     rows = []
     for kind, t in ((TransitionKind.FIRING, 1000.0), (TransitionKind.RESOLVED, 2000.0)):

@@ -11,17 +11,12 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from lossguard.common.config import ConfigError, Section, field_error, seconds
+from lossguard.common.config import ConfigError, Duration, Section, field_error
 from lossguard.monitor.notify.matchers import parse_matchers
 from lossguard.monitor.validation import http_url
 
 PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
-
-
-def _duration(value: Any) -> str:
-    seconds(str(value))  # raises ValueError with the reason
-    return str(value)
 
 
 class _Integration(Section):
@@ -96,9 +91,9 @@ class RouteConfig(Section):
     receiver: str | None = None
     matchers: list[str] = Field(default_factory=list, description='e.g. severity="critical"')
     group_by: list[str] | None = Field(default=None, description="'...' groups by all labels.")
-    group_wait: str | None = None
-    group_interval: str | None = None
-    repeat_interval: str | None = None
+    group_wait: Duration | None = None
+    group_interval: Duration | None = None
+    repeat_interval: Duration | None = None
     continue_: bool = Field(default=False, alias="continue")
     routes: list[RouteConfig] = Field(default_factory=list)
 
@@ -107,11 +102,6 @@ class RouteConfig(Section):
     def _matchers(cls, matchers: list[str]) -> list[str]:
         parse_matchers(matchers)
         return matchers
-
-    @field_validator("group_wait", "group_interval", "repeat_interval")
-    @classmethod
-    def _durations(cls, value: str | None) -> str | None:
-        return None if value is None else _duration(value)
 
 
 class InhibitRuleConfig(Section):
@@ -130,14 +120,11 @@ class InhibitRuleConfig(Section):
 
 
 class DeliveryConfig(Section):
-    timeout: str = Field(default="10s", description="Per HTTP request.")
-    min_backoff: str = Field(default="1s", description="First retry delay (then doubled).")
-    max_backoff: str = Field(default="5m", description="Longest retry delay.")
-
-    @field_validator("timeout", "min_backoff", "max_backoff")
-    @classmethod
-    def _durations(cls, value: str) -> str:
-        return _duration(value)
+    timeout: Duration = Field(default=Duration("10s"), description="Per HTTP request.")
+    min_backoff: Duration = Field(
+        default=Duration("1s"), description="First retry delay (then doubled)."
+    )
+    max_backoff: Duration = Field(default=Duration("5m"), description="Longest retry delay.")
 
 
 def _default_receivers() -> list[ReceiverConfig]:

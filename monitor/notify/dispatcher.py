@@ -18,6 +18,7 @@ import logging
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+from lossguard.monitor.alert_store import AlertEvent, AlertStore
 from lossguard.monitor.notify.config import NotificationsConfig
 from lossguard.monitor.notify.facts import Facts, RunFacts
 from lossguard.monitor.notify.inhibit import Inhibitor
@@ -33,7 +34,6 @@ from lossguard.monitor.notify.routing import Route, build_route
 from lossguard.monitor.notify.silences import Silence, SilenceStore
 from lossguard.monitor.notify.store import Group, NotifyStore
 from lossguard.monitor.rules.alerting import TransitionKind
-from lossguard.monitor.state import AlertEvent, StateStore
 
 log = logging.getLogger("lossguard.monitor.notify")
 Labels = Mapping[str, str]
@@ -58,7 +58,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        state: StateStore,
+        state: AlertStore,
         config: NotificationsConfig,
         integrations: Mapping[str, Integration],
         *,

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from lossguard.monitor.state import value_text
+from lossguard.monitor.alert_store import value_text
 
 Status = Literal["firing", "resolved"]
 RUN_LABEL = "run_id"

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lossguard.common.config import ConfigError, seconds
+from lossguard.common.config import ConfigError, Duration
 from lossguard.monitor.notify.config import RouteConfig
 from lossguard.monitor.notify.matchers import Matcher, format_matchers, matches_all, parse_matchers
 from lossguard.monitor.rules.rulefile import LABEL_NAME
@@ -145,10 +145,10 @@ def _group_by(names: list[str] | None, inherited: Route, path: str) -> tuple[tup
 
 def _seconds(config: RouteConfig, name: str, inherited: Route, path: str) -> float:
     """A timer of the route, or its parent's; only group_wait may be zero (as Alertmanager)."""
-    text: str | None = getattr(config, name)
-    if text is None:
+    duration: Duration | None = getattr(config, name)
+    if duration is None:
         return float(getattr(inherited, f"{name}_s"))
-    value = seconds(text)
+    value = duration.seconds
     if value == 0 and name != "group_wait":
         raise ConfigError(f"{path}.{name}: cannot be zero")
     return value

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.notify.matchers import Matcher, matches_all, parse_matchers
-from lossguard.monitor.state import StateStore
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS silences (
@@ -53,7 +53,7 @@ class Silence:
 class SilenceStore:
     """Silences in the state database."""
 
-    def __init__(self, state: StateStore) -> None:
+    def __init__(self, state: AlertStore) -> None:
         self.state = state
         with state.reading() as db:
             db.executescript(_SCHEMA)

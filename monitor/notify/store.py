@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.notify.model import AlertInfo, Notification
-from lossguard.monitor.state import StateStore
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS notify_groups (
@@ -86,7 +86,7 @@ class OutboxEntry:
 class NotifyStore:
     """The notification tables, on the state database's connection."""
 
-    def __init__(self, state: StateStore) -> None:
+    def __init__(self, state: AlertStore) -> None:
         self.state = state
         with state.reading() as db:
             db.executescript(_SCHEMA)

@@ -22,11 +22,10 @@ from lossguard.common.rundir.checkpoints import list_checkpoints
 from lossguard.common.rundir.jsonl import read_jsonl
 from lossguard.common.rundir.names import (
     AGENT_FILE,
-    CHECKPOINT_DIR,
-    CONFIG_FILE,
     EVENTS_LOG,
     METRICS_LOG,
 )
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.common.rundir.supervisor_file import pid_alive
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.report import marks
@@ -117,10 +116,11 @@ def read_run(run_dir: Path, state_db: Path | None = None) -> RunRecord:
     if not any((run_dir / name).is_file() for name in RUN_RECORDS):
         names = ", ".join(RUN_RECORDS)
         raise ReportError(f"{run_dir}: not a run directory (none of {names} in it)")
-    agent, outcome = _agent(run_dir)
+    paths = RunPaths.of(run_dir)
+    agent, outcome = _agent(paths)
     run_id = agent.run_id if agent is not None else run_dir.name
-    metrics = read_jsonl(run_dir / METRICS_LOG)
-    audit = read_jsonl(run_dir / EVENTS_LOG)
+    metrics = read_jsonl(paths.metrics)
+    audit = read_jsonl(paths.events)
     events = audit.records
     train = _points(metrics.records, "train")
     logged = sorted((p.time, p.step) for p in train if p.time is not None)
@@ -142,22 +142,22 @@ def read_run(run_dir: Path, state_db: Path | None = None) -> RunRecord:
         events=events,
         spikes=tuple(marks.spikes(events)),
         restores=tuple(restores),
-        checkpoints=tuple(marks.checkpoints(events, list_checkpoints(run_dir / CHECKPOINT_DIR))),
+        checkpoints=tuple(marks.checkpoints(events, list_checkpoints(paths.checkpoints))),
         commands=tuple(marks.commands(events)),
         crashes=tuple(marks.crashes(events)),
         alerts=history.alerts if history else (),
         actions=history.actions if history else (),
         state_db=state_db,
         unreadable={name: count for name, count in unreadable.items() if count},
-        spike_zscore=_spike_zscore(run_dir / CONFIG_FILE),
+        spike_zscore=_spike_zscore(paths.config),
     )
 
 
-def _agent(run_dir: Path) -> tuple[AgentInfo | None, str]:
+def _agent(paths: RunPaths) -> tuple[AgentInfo | None, str]:
     """``agent.json`` and how the run ended by it: its ``exit``; else running or crashed when
     its pid is of this host; else unknown."""
     try:
-        agent = AgentInfo.parse((run_dir / AGENT_FILE).read_bytes())
+        agent = AgentInfo.parse(paths.agent.read_bytes())
     except FileNotFoundError:
         return None, f"unknown (no {AGENT_FILE})"
     except (OSError, ValueError) as exc:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.store import ActionStore
+from lossguard.monitor.alert_store import AlertStore, AlertStoreError
 from lossguard.monitor.notify.model import RUN_LABEL
 from lossguard.monitor.rules.alerting import ALERT_NAME, TransitionKind
-from lossguard.monitor.state import StateError, StateStore
 
 PAGE = 1000
 
@@ -46,8 +46,8 @@ def monitor_history(path: Path, run_id: str) -> MonitorHistory:
         raise HistoryError(f"--state: no state database at {path}")
     _check_is_state(path)
     try:
-        state = StateStore(path)
-    except StateError as exc:
+        state = AlertStore(path)
+    except AlertStoreError as exc:
         raise HistoryError(f"--state: {exc}") from None
     try:
         alerts = _alert_spans(state, run_id)
@@ -71,7 +71,7 @@ def _check_is_state(path: Path) -> None:
         raise HistoryError(f"--state: {path} is not a lossguard monitor state database")
 
 
-def _alert_spans(state: StateStore, run_id: str) -> list[AlertSpan]:
+def _alert_spans(state: AlertStore, run_id: str) -> list[AlertSpan]:
     firing: dict[tuple[str, str], AlertSpan] = {}
     spans: list[AlertSpan] = []
     after = 0

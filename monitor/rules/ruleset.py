@@ -22,7 +22,7 @@ from lossguard.monitor.rules.rulefile import AlertingRule, RuleGroup, reach_s
 from lossguard.monitor.rules.templating import QueryError, QuerySample, TemplateQuery
 from lossguard.monitor.sources import SourceError
 
-log = logging.getLogger("lossguard.monitor")
+log = logging.getLogger("lossguard.monitor.rules")
 
 Query = Callable[[AlertingRule, float], Value]
 """Evaluates a rule's expression at a time (the embedded evaluator, or a Prometheus server)."""

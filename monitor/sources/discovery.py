@@ -22,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 from lossguard.common.ownership import distrust_file, trusted_owners
 from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.common.rundir.names import AGENT_FILE, SOCKET_NAME, SUPERVISOR_FILE
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.common.rundir.supervisor_file import SupervisorInfo, pid_alive
 from lossguard.monitor.sources.liveness import AnsweredAt, DeadRun, dead_run, never_answered
 
@@ -199,7 +200,7 @@ def _parse(run_dir: Path, data: bytes) -> _Run:
         )
     if info.socket is not None and Path(info.socket).name != SOCKET_NAME:
         raise ValueError(f"socket: {info.socket!r} is not the run directory's {SOCKET_NAME}")
-    socket_path = run_dir / SOCKET_NAME if info.socket else None
+    socket_path = RunPaths.of(run_dir).socket if info.socket else None
     targets = [
         DiscoveredTarget(url, info.run_id, rank, socket_path, run_dir, info.hostname, info.pid)
         for rank, url in enumerate(info.metrics_urls)

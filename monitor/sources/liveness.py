@@ -21,7 +21,7 @@ from pathlib import Path
 from lossguard.common.rundir.agent_file import AgentInfo
 from lossguard.common.rundir.checkpoints import list_checkpoints
 from lossguard.common.rundir.metrics_log import LastLogged, last_logged
-from lossguard.common.rundir.names import AGENT_FILE, CHECKPOINT_DIR
+from lossguard.common.rundir.paths import RunPaths
 from lossguard.common.rundir.supervisor_file import RESTARTING, SupervisorInfo, pid_alive
 from lossguard.common.rundir.targets import ordered
 
@@ -119,7 +119,7 @@ def dead_run(
     elif pid_alive(info.pid):
         return None
     try:
-        stat = os.stat(run_dir / AGENT_FILE)
+        stat = os.stat(RunPaths.of(run_dir).agent)
     except OSError:
         return None  # removed meanwhile
     logged, checkpoint = _what_is_left(run_dir, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
@@ -161,7 +161,7 @@ def _what_is_left(run_dir: Path, agent_file: tuple[int, int, int]) -> tuple[Last
 def newest_checkpoint(run_dir: Path) -> str | None:
     """``step_00000150 (healthy)``, or ``step_00000150 (not healthy; last good
     step_00000100)``: the checkpoint a resume would take first, and whether it is good."""
-    metas = list_checkpoints(run_dir / CHECKPOINT_DIR)
+    metas = list_checkpoints(RunPaths.of(run_dir).checkpoints)
     newest = next(iter(ordered(metas, "latest")), None)
     if newest is None:
         return None

@@ -20,10 +20,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from lossguard.monitor.alert_store import value_text
 from lossguard.monitor.notify.integrations.http import HttpIntegration
 from lossguard.monitor.notify.links import Links, clip, is_web_url, iso_time, single_spaced, subject
 from lossguard.monitor.notify.model import RUN_LABEL, AlertInfo, Notification
-from lossguard.monitor.state import value_text
 
 MAX_SUMMARY = 1024
 SEVERITIES = ("critical", "error", "warning", "info")  # most severe first

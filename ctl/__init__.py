@@ -1,0 +1,2 @@
+"""``lossguard-ctl``, the operator's command line to a run: torch-free, it imports only
+``lossguard.common``."""
