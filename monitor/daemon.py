@@ -17,6 +17,7 @@ from lossguard.monitor.actions.engine import Actions, Refusal
 from lossguard.monitor.actions.intake import IncomingAlert
 from lossguard.monitor.actions.model import ActionRecord
 from lossguard.monitor.actions.outcomes import hold_for
+from lossguard.monitor.alert_recorder import AlertRecorder
 from lossguard.monitor.alert_store import AlertStore
 from lossguard.monitor.config import MonitorConfig, owner_ids, webhook_token
 from lossguard.monitor.http.read_api import api_routes
@@ -25,30 +26,24 @@ from lossguard.monitor.metrics import MonitorMetrics
 from lossguard.monitor.notify.config import read_secrets
 from lossguard.monitor.notify.delivery import Backoff, Deliverer
 from lossguard.monitor.notify.dispatcher import Dispatcher
-from lossguard.monitor.notify.facts import FACT_METRICS, RunFacts
+from lossguard.monitor.notify.facts import RunFacts
 from lossguard.monitor.notify.integrations import build_integrations
 from lossguard.monitor.promql import Value
-from lossguard.monitor.rules.alerting import AlertState, Transition, TransitionKind
-from lossguard.monitor.rules.rulefile import (
-    AlertingRule,
-    RuleError,
-    RuleGroup,
-    load_rule_files,
-    longest_range_s,
-    metric_names,
+from lossguard.monitor.rules.alerting import AlertState, Transition
+from lossguard.monitor.rules.rulefile import AlertingRule, RuleError, RuleGroup, load_rule_files
+from lossguard.monitor.rules.ruleset import Schedule
+from lossguard.monitor.runs import RunsView
+from lossguard.monitor.source_setup import (
+    dead_runs,
+    file_sd_writer,
+    follow_rules,
+    make_source,
+    view_update_s,
 )
-from lossguard.monitor.rules.ruleset import RuleSet, Schedule
-from lossguard.monitor.runs import RUN_METRICS, RunsView
-from lossguard.monitor.sources import Source
-from lossguard.monitor.sources.announced import AGENT_INFO, AnnouncedRuns
-from lossguard.monitor.sources.discovery import discover, trust_owners
-from lossguard.monitor.sources.file_sd import FileSdWriter
-from lossguard.monitor.sources.liveness import DeadRun
-from lossguard.monitor.sources.prometheus import PrometheusSource
-from lossguard.monitor.sources.scrape import ScrapeSource
+from lossguard.monitor.sources.announced import AnnouncedRuns
+from lossguard.monitor.sources.discovery import trust_owners
 
 log = logging.getLogger("lossguard.monitor")
-RETENTION_MARGIN_S = 60.0
 
 
 class Monitor:
@@ -62,24 +57,10 @@ class Monitor:
         trust_owners(owner_ids(config.scrape))  # ConfigError: the caller exits 2
         self.store = AlertStore(config.state.path)
         self.metrics = MonitorMetrics()
-        self._unrecorded: list[Transition] = []
-        self._unrecorded_rules: set[str] = set()
-        now = time.time()
-        stored = self.store.load_alerts()
-        last = self.store.last_evaluation()
-        for alert in (a for alerts in stored.values() for a in alerts):
-            if alert.state is AlertState.PENDING and last is not None:
-                alert.active_at += now - last  # as Prometheus: downtime does not count to `for`
-        self.ruleset, ended = RuleSet.restore(
-            groups,
-            stored,
-            now,
-            external_labels=config.rules.external_labels,
-            external_url=config.rules.external_url,
-        )
-        self._record(ended, set(stored) | set(self.ruleset.active()))
-        self.source = self._make_source(groups)
-        self.file_sd = _file_sd_writer(config)
+        self.recorder = AlertRecorder(self.store, self.metrics)
+        self.ruleset = self.recorder.restore(groups, time.time(), config.rules)
+        self.source = make_source(config, groups)
+        self.file_sd = file_sd_writer(config)
         integrations = build_integrations(
             config.notifications, secrets, external_url=config.rules.external_url
         )
@@ -107,7 +88,7 @@ class Monitor:
                 lambda: [entry.rule for entry in self.ruleset.rules],
                 self._knows_run,
                 self.source.query,
-                confirm_within_s=confirm_window_s(self._view_update_s()),
+                confirm_within_s=confirm_window_s(view_update_s(config)),
             ),
             step_of=facts.step,
             announce_for_s=hold_for(r.group_wait_s for r in self.dispatcher.routes.values()),
@@ -146,31 +127,6 @@ class Monitor:
             ),
         )
 
-    def _view_update_s(self) -> float:
-        """The longest the monitor's view takes to show a new value: an evaluation, after a
-        scrape where the monitor scrapes (its Prometheus has the value it alerted on)."""
-        scraping = self.config.source != "prometheus"
-        return self.interval_s + (self.config.scrape.interval.seconds if scraping else 0.0)
-
-    def _make_source(self, groups: list[RuleGroup]) -> Source:
-        if self.config.source == "prometheus":
-            assert self.config.prometheus is not None  # checked by the config
-            return PrometheusSource(
-                self.config.prometheus.url, timeout_s=self.config.prometheus.timeout.seconds
-            )
-        scrape = self.config.scrape
-        return ScrapeSource(
-            static_targets=scrape.targets,
-            file_sd_files=scrape.file_sd_files,
-            runs_root=scrape.runs_root,
-            interval_s=scrape.interval.seconds,
-            timeout_s=None if scrape.timeout is None else scrape.timeout.seconds,
-            job=scrape.job,
-            retention_s=longest_range_s(groups) + RETENTION_MARGIN_S,
-            keep_names=_kept_names(groups),
-            forget_dead_after_s=scrape.forget_dead_runs_after.seconds,
-        )
-
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
@@ -204,7 +160,7 @@ class Monitor:
                 self.act(time.time())
                 self.notify(time.time())
                 wake_at = min(
-                    self.schedule.wake_time(now), self.dispatcher.next_flush() or now + 60
+                    self.schedule.wake_time(now), self._next_flush() or now + 60
                 )
                 self._wake.wait(max(0.0, wake_at - time.time()))
                 self._wake.clear()
@@ -230,25 +186,14 @@ class Monitor:
             if entry.last_error is not None and entry.last_evaluation == t:
                 self.metrics.evaluation_failures.labels(entry.rule.name).inc()
                 log.warning("rule %s failed: %s", entry.rule.name, entry.last_error)
-        self._record(transitions, {e.key for e in evaluated}, t)
+        self.recorder.record(self.ruleset, transitions, {e.key for e in evaluated}, t)
         self.schedule.done(self.ruleset.groups, groups or {g.key for g in self.ruleset.groups}, t)
         self.metrics.update_alerts(self.ruleset.rules)
         self.metrics.update_targets(self.source.targets())
         self.announced.update(self.source.query, t)
-        self.metrics.update_run_exits(self._dead_runs(t))
+        self.metrics.update_run_exits(dead_runs(self.config, self.source, t))
         self._last_cycle = t
         return transitions
-
-    def _dead_runs(self, t: float) -> list[DeadRun]:
-        """The runs whose process died here: the scraper's, or (with source: prometheus) from a
-        look at ``scrape.runs_root``, so that Prometheus scraping ``/metrics`` sees them."""
-        if isinstance(self.source, ScrapeSource):
-            return self.source.dead_runs()
-        scrape = self.config.scrape
-        if scrape.runs_root is None:
-            return []
-        forget_after_s = scrape.forget_dead_runs_after.seconds
-        return discover(scrape.runs_root, now=t, forget_after_s=forget_after_s).dead
 
     def act(self, now: float) -> None:
         """Decide about the firing alerts that ask for an action (recorded, then sent by the
@@ -312,46 +257,6 @@ class Monitor:
     def _query(self, rule: AlertingRule, t: float) -> Value:
         return self.source.query(rule.expr, t)
 
-    def _record(
-        self, transitions: list[Transition], rule_keys: set[str], t: float | None = None
-    ) -> None:
-        """Persist the rules' alerts and the transitions (with any a failed write left over),
-        then log and count the transitions."""
-        self._unrecorded.extend(transitions)
-        self._unrecorded_rules.update(rule_keys)
-        active = self.ruleset.active()
-        try:
-            self.store.record(
-                {key: active.get(key, []) for key in self._unrecorded_rules},
-                self._unrecorded,
-                evaluated_at=t,
-            )
-        except sqlite3.Error as exc:
-            log.error(
-                "state database: %s; %d transitions wait for the next evaluation",
-                exc,
-                len(self._unrecorded),
-            )
-        else:
-            self._unrecorded, self._unrecorded_rules = [], set()
-        for transition in transitions:
-            alert = transition.alert
-            self.metrics.transitions.labels(
-                alert.labels.get("alertname", ""), transition.kind.value
-            ).inc()
-            level = (
-                logging.INFO if transition.kind is not TransitionKind.INACTIVE else logging.DEBUG
-            )
-            log.log(
-                level,
-                "alert %s %s %s value=%s fingerprint=%s",
-                alert.labels.get("alertname", ""),
-                transition.kind.value,
-                " ".join(f"{k}={v}" for k, v in alert.labels.items() if k != "alertname"),
-                alert.value,
-                alert.fingerprint,
-            )
-
     # ------------------------------------------------------------------ reload and stop
 
     def request_reload(self) -> None:
@@ -372,10 +277,8 @@ class Monitor:
             return False
         previous = {e.key for e in self.ruleset.rules}
         self.ruleset, ended = self.ruleset.replace(groups, time.time())
-        self._record(ended, previous | {e.key for e in self.ruleset.rules})
-        if isinstance(self.source, ScrapeSource):
-            self.source.retention_s = longest_range_s(groups) + RETENTION_MARGIN_S
-            self.source.keep_names = _kept_names(groups)
+        self.recorder.record(self.ruleset, ended, previous | {e.key for e in self.ruleset.rules})
+        follow_rules(self.source, groups)
         self.schedule.reset()
         self._loaded(groups)
         log.info("rules reloaded: %d rules", len(self.ruleset.rules))
@@ -435,27 +338,3 @@ class Monitor:
         self.source.close()
         self.server.close()
         self.store.close()
-
-
-def _file_sd_writer(config: MonitorConfig) -> FileSdWriter | None:
-    """The ``scrape.file_sd_path`` writer (None: not configured); it looks at the runs as
-    often as the scraper does."""
-    scrape = config.scrape
-    if scrape.file_sd_path is None or scrape.runs_root is None:
-        return None
-    return FileSdWriter(
-        scrape.file_sd_path,
-        scrape.runs_root,
-        interval_s=scrape.interval.seconds,
-        forget_dead_after_s=scrape.forget_dead_runs_after.seconds,
-        job=scrape.job,
-    )
-
-
-def _kept_names(groups: list[RuleGroup]) -> frozenset[str] | None:
-    """The metric names a scrape keeps: those the rules, the notifications, the HTTP API and
-    the runs' announcements read (None: all, when a rule selects names by regex)."""
-    names = metric_names(groups)
-    if names is None:
-        return None
-    return names | FACT_METRICS | set(RUN_METRICS.values()) | {AGENT_INFO}

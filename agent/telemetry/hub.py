@@ -5,7 +5,7 @@ with, at a cost the loop does not feel (``NoTelemetry``, in ``no_telemetry``, st
 Per step: spike and non-finite detection on the device (no sync) and three host-side metric
 updates (step, heartbeat, step time). Per log interval: the detector statistics join Guard's
 one host sync, then every gauge is published. Sampled steps: FP8 health, the FP8 fidelity check
-and gradient diagnostics. Reads never wait on the device except at those points.
+and gradient diagnostics (``samplers``). Reads never wait on the device except at those points.
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from torch import nn
 
 from lossguard.agent.config import GuardConfig
 from lossguard.agent.distributed import all_gather_objects, all_reduce_max_tensor
-from lossguard.agent.dtensors import is_sharded
 from lossguard.agent.telemetry.exporter import Exporter
-from lossguard.agent.telemetry.fp8_fidelity import Fp8Fidelity, Replay
-from lossguard.agent.telemetry.fp8_health import TENSORS as FP8_TENSORS
-from lossguard.agent.telemetry.fp8_health import Fp8Health
-from lossguard.agent.telemetry.grad_diagnostics import GradDiagnostics
+from lossguard.agent.telemetry.fp8_fidelity import Replay
 from lossguard.agent.telemetry.hardware import Nvml, Peak, memory_stats, resolve_peak
+from lossguard.agent.telemetry.samplers import Samplers
 from lossguard.agent.telemetry.spikes import STAT_FIELDS, SpikeBank
 from lossguard.common import __version__
 from lossguard.common.catalogue import (
@@ -38,7 +35,6 @@ from lossguard.common.catalogue import (
     OPTIMIZER_COUNTERS,
     SIGNALS,
 )
-from lossguard.common.config import ConfigError
 from lossguard.common.control.address import SUPERVISOR_CONTROL_ENV, public_host
 from lossguard.common.control.protocol import PROTOCOL_VERSION
 from lossguard.common.registry import AgentMetrics
@@ -125,29 +121,9 @@ class Telemetry:
         self.exporter = Exporter.start(self.metrics.registry, cfg.host, port)
         url = self.exporter.url(public_host(cfg.host))
         self.urls = all_gather_objects(url, group, "all_gather_object: exporter URLs")
-        precision = config.precision.dtype
-        self.peak: Peak | None = resolve_peak(device, precision, cfg.peak_flops)
-        self.fp8 = None
-        if precision == "fp8" and config.compiled_model:
-            log.warning("FP8 health sampling needs an eager model: off under model.compile")
-        elif precision == "fp8":
-            self.fp8 = Fp8Health(model, config.precision.fp8_recipe)
-        fidelity = cfg.fp8_fidelity
-        on = fidelity.enabled and precision == "fp8"
-        if on and is_sharded(model):
-            raise ConfigError(
-                "telemetry.fp8_fidelity.enabled: the check's shadow is a whole copy of the "
-                "model: not with a sharded (FSDP2 / HSDP) model"
-            )
-        self.fidelity = Fp8Fidelity(model, fidelity.dtype) if on else None
-        self._fidelity_layer: str | None = None
-        self._warned_no_replay = False
-        diagnostics = cfg.grad_diagnostics
-        self.grads = GradDiagnostics(model, diagnostics) if diagnostics.enabled else None
+        self.peak: Peak | None = resolve_peak(device, config.precision.dtype, cfg.peak_flops)
+        self.samplers = Samplers(config, model, self.metrics)
         self._exported_totals: dict[str, float] = {}
-        self._grad_layers: set[str] = set()
-        self.fp8_overflow: tuple[str, float] | None = None
-        """The last FP8 sample's worst overflow ratio and its tensor (None before one)."""
         self._last_step_time = time.perf_counter()
         self._last_step_clock = time.monotonic()
         self.metrics.track(
@@ -181,33 +157,19 @@ class Telemetry:
     def sampling(self, next_step: int) -> None:
         """Before the forward of a sampled step: arm the FP8 sampler, and take the RNG states
         for an FP8 fidelity check (again at each call: a restore in between moves them)."""
-        telemetry = self.config.telemetry
-        if self.fp8 is not None and next_step % telemetry.fp8.every == 0:
-            self.fp8.arm()
-        if self.fidelity is not None and next_step % telemetry.fp8_fidelity.every == 0:
-            self.fidelity.arm()
+        self.samplers.arm(next_step)
 
     def collect_samples(
         self, step: int, loss: torch.Tensor, replay: Replay | None = None
     ) -> list[dict[str, Any]]:
         """After backward on a sampled step: FP8 health, FP8 fidelity (when given ``replay``)
         and gradient diagnostics records."""
-        records = []
-        if self.fp8 is not None:
-            health = self.fp8.collect()
-            if health is not None:
-                self._publish_fp8(health)
-                records.append({"kind": "fp8", "step": step, **health})
-        if self.fidelity is not None and self.fidelity.armed:
-            fidelity = self._check_fidelity(loss, replay)
-            if fidelity is not None:
-                records.append({"kind": "fp8_fidelity", "step": step, **fidelity})
-        grads_every = self.config.telemetry.grad_diagnostics.every
-        if self.grads is not None and step % grads_every == 0:
-            diagnostics = self.grads.collect()
-            self._publish_grads(diagnostics)
-            records.append({"kind": "grad_diagnostics", "step": step, **diagnostics})
-        return records
+        return self.samplers.collect(step, loss, replay)
+
+    @property
+    def fp8_overflow(self) -> tuple[str, float] | None:
+        """The last FP8 sample's worst overflow ratio and its tensor (None before one)."""
+        return self.samplers.fp8_overflow
 
     # ------------------------------------------------------------ per log interval
 
@@ -335,52 +297,6 @@ class Telemetry:
             self.metrics.set("gpu_power_watts", sample["power_watts"])
             self.metrics.set("gpu_temperature_celsius", sample["temperature_celsius"])
             record["gpu"] = sample
-
-    def _publish_fp8(self, health: dict[str, Any]) -> None:
-        overflow = [(tensor, float(health["worst"][tensor]["overflow"])) for tensor in FP8_TENSORS]
-        self.fp8_overflow = max(overflow, key=lambda item: item[1])
-        for tensor in FP8_TENSORS:
-            worst = health["worst"][tensor]
-            self.metrics.set("fp8_amax", worst["amax"], tensor=tensor)
-            self.metrics.set("fp8_overflow_ratio", worst["overflow"], tensor=tensor)
-            self.metrics.set("fp8_underflow_ratio", worst["underflow"], tensor=tensor)
-
-    def _check_fidelity(self, loss: torch.Tensor, replay: Replay | None) -> dict[str, Any] | None:
-        """Run the armed fidelity check and publish it; without ``replay``, skip it (warned
-        once)."""
-        assert self.fidelity is not None
-        if replay is None:
-            self.fidelity.disarm()
-            if not self._warned_no_replay:
-                self._warned_no_replay = True
-                log.warning(
-                    "telemetry.fp8_fidelity: Guard.after_backward got no replay function, so "
-                    "no fidelity check runs (pass replay=...: docs/telemetry.md#fp8-fidelity)"
-                )
-            return None
-        result = self.fidelity.check(loss, replay)
-        if result is None:
-            return None
-        layer, previous = result["layer"], self._fidelity_layer
-        if previous is not None and previous != layer:  # bounded cardinality: one series
-            self.metrics.remove("fp8_fidelity_min_grad_cosine", layer=previous)
-        self._fidelity_layer = layer
-        self.metrics.set("fp8_fidelity_min_grad_cosine", result["min_grad_cosine"], layer=layer)
-        self.metrics.set("fp8_fidelity_loss_rel_error", result["loss_rel_error"])
-        self.metrics.inc("fp8_fidelity_checks")
-        return result
-
-    def _publish_grads(self, diagnostics: dict[str, Any]) -> None:
-        top = {entry["layer"]: entry["l2"] for entry in diagnostics["top"]}
-        for gone in self._grad_layers - top.keys():  # bounded cardinality: only the top-k
-            self.metrics.remove("grad_layer_norm", layer=gone)
-        for layer, value in top.items():
-            self.metrics.set("grad_layer_norm", value, layer=layer)
-        self._grad_layers = set(top)
-        self.metrics.set("grad_vanishing_layers", diagnostics["vanishing"])
-        self.metrics.set("grad_exploding_layers", diagnostics["exploding"])
-        dead = [layer["dead_fraction"] for layer in diagnostics["layers"].values()]
-        self.metrics.set("grad_dead_neuron_ratio", max(dead, default=0.0))
 
     # ------------------------------------------------------------ static, checkpoints, control
 

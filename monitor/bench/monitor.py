@@ -18,7 +18,6 @@ from lossguard.monitor.bench.fleet import AgentFleet
 from lossguard.monitor.bench.prometheus import (
     rss_bytes,
 )
-from lossguard.monitor.daemon import RETENTION_MARGIN_S
 from lossguard.monitor.promql import Value
 from lossguard.monitor.rules.rulefile import (
     AlertingRule,
@@ -27,6 +26,7 @@ from lossguard.monitor.rules.rulefile import (
     metric_names,
 )
 from lossguard.monitor.rules.ruleset import RuleSet, Schedule
+from lossguard.monitor.source_setup import RETENTION_MARGIN_S
 from lossguard.monitor.sources.scrape import ScrapeSource
 
 SERIES_QUERY = 'count({__name__=~".+"})'

@@ -114,7 +114,8 @@ def test_off_by_default_and_only_for_fp8(tmp_path: Path) -> None:
     cfg = parse_config({"precision": {"dtype": "fp8"}, "telemetry": {"port": 0}})
     guard = Guard(tmp_path, model=fp8_mlp(), config=cfg, progress=False)
     try:
-        assert guard.telemetry is not None and guard.telemetry.fidelity is None  # no shadow
+        assert guard.telemetry is not None
+        assert guard.telemetry.samplers.fidelity is None  # no shadow
     finally:
         guard.close()
 
