@@ -159,9 +159,7 @@ class Monitor:
                         self.schedule.done(self.ruleset.groups, due, now)
                 self.act(time.time())
                 self.notify(time.time())
-                wake_at = min(
-                    self.schedule.wake_time(now), self._next_flush() or now + 60
-                )
+                wake_at = min(self.schedule.wake_time(now), self._next_flush() or now + 60)
                 self._wake.wait(max(0.0, wake_at - time.time()))
                 self._wake.clear()
         finally:
