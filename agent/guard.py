@@ -70,8 +70,9 @@ log = logging.getLogger("lossguard.agent")
 class Guard(GuardControls):
     """Accounting, gradient norm, metrics, checkpoints and control for a training loop.
 
-    ``config`` supplies the ``checkpoint``, ``control``, ``telemetry`` and ``wandb`` sections
-    and ``train.log_every``; what the loop itself does is the caller's: ``max_steps`` (the
+    ``config`` is a ``GuardConfig`` (the built-in trainer's ``TrainerConfig`` is one): run,
+    checkpoint, snapshot, mitigation, control, telemetry, wandb, distributed timeouts and
+    ``train.log_every``; what the loop itself does is the caller's: ``max_steps`` (the
     planned last step: status, progress, the step target; None: open-ended) and ``grad_clip``
     (clip the gradient norm to it in ``after_backward``; None: measure it, never clip).
 
