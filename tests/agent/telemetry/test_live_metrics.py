@@ -91,7 +91,8 @@ def test_live_scrape_has_every_catalogue_metric_and_promtool_is_clean(
         trainer.close()
     assert promtool_findings(text) == ""
     found = samples(text)
-    optimizer = {exposed_name(n) for n in OPTIMIZER_COUNTERS}  # SPAM's: tests/test_spam_training
+    # SPAM's counters: tests/agent/train/test_spam_training.py
+    optimizer = {exposed_name(n) for n in OPTIMIZER_COUNTERS}
     expected = (
         {exposed_name(n) for n in CATALOGUE if n not in NVML_METRICS}
         - optimizer
