@@ -26,6 +26,20 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy
+# the type check (about a minute of one core) runs beside the tests, which leave a core idle a
+# good part of the time; its report follows theirs, and either failing fails the command
+mypy_log=$(mktemp)
+trap 'rm -f "$mypy_log"' EXIT
+.venv/bin/mypy >"$mypy_log" 2>&1 &
+mypy_pid=$!
 # two workers: most tests wait on real processes and servers, so two overlap well on 2 cores
-.venv/bin/python -m pytest -n 2 "$@"
+status=0
+.venv/bin/python -m pytest -n 2 "$@" || status=$?
+mypy_status=0
+wait "$mypy_pid" || mypy_status=$?
+cat "$mypy_log"
+if [ "$mypy_status" -ne 0 ]; then
+  echo "scripts/test.sh: mypy failed (exit $mypy_status)" >&2
+  status=1
+fi
+exit "$status"
