@@ -12,6 +12,7 @@ import torch
 
 from lossguard.agent.config import Config, parse_config
 from tests.support.live_marker import (  # noqa: F401 (the live marker's hooks)
+    pytest_collection_modifyitems,
     pytest_configure,
     pytest_runtest_protocol,
     pytest_runtest_teardown,
