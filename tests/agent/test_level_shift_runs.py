@@ -14,7 +14,7 @@ from lossguard.agent.config import Config, parse_config
 from lossguard.agent.train.trainer import Trainer
 from lossguard.common.control.client import ControlClient
 from lossguard.common.exitcodes import EXIT_STOPPED
-from tests.support.processes import run_cli, start_agent, stop_process, wait_for
+from tests.support.processes import ctl_cli, start_agent, stop_process, wait_for
 from tests.support.runs import events, json_lines, sliced_settings, write_config
 
 pytestmark = pytest.mark.live
@@ -116,7 +116,7 @@ def test_expect_change_from_lossguard_ctl_rebases_a_live_run(
             "the loss episode",
         )
         argv = ["--run-dir", str(run_dir), "expect-change", "--reason", "data mix v2"]
-        done = run_cli(*argv, module="lossguard.ctl.cli")
+        done = ctl_cli(*argv)
         assert done.returncode == 0, done.stderr
         step = int(done.stdout.split()[4].rstrip(":"))
         assert done.stdout == (

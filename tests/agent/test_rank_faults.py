@@ -29,12 +29,18 @@ import yaml
 
 from benchmarks.bench_rank_chaos import chaos
 from tests.support.drill_runs import ENV, TORCHRUN, finish_drill, same_collectives, start_drill
-from tests.support.processes import REPO, free_port, start_monitor, stop_processes, wait_for
+from tests.support.processes import (
+    REPO,
+    ctl_cli,
+    free_port,
+    start_monitor,
+    stop_processes,
+    wait_for,
+)
 from tests.support.runs import events, json_lines, sliced_settings, write_config
 
 pytestmark = pytest.mark.live
 
-CTL = [sys.executable, "-m", "lossguard.ctl.cli"]
 ROLLBACK = {"target": "last_good", "skip_batches": "abandoned"}
 TOKEN = "rank-faults-monitor-token"
 
@@ -87,8 +93,7 @@ def test_rollback_after_a_nan_on_one_rank_trains_to_the_last_step(tmp_path: Path
 
 def ctl(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``lossguard-ctl --run-dir RUN_DIR ARGS``, as an operator runs it."""
-    command = [*CTL, "--run-dir", str(run_dir), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=ENV)
+    return ctl_cli("--run-dir", str(run_dir), *args)
 
 
 def matrix_plan(strategy: str, nproc: int) -> dict[str, Any]:

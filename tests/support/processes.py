@@ -15,10 +15,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.005, most: float = 0.05):
+LONGEST_POLL_S = 0.05
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.005):
     """Poll ``predicate`` until it returns something truthy; at the deadline, fail naming it.
 
-    The pause between polls starts at ``interval`` and grows to ``most``: a condition met at
+    The pause between polls starts at ``interval`` and grows to LONGEST_POLL_S: a condition met at
     once is seen at once, and a long wait does not spend the CPU the processes it waits on
     need (a 5 ms poll that parses a run's metrics file costs a third of a core)."""
     deadline = time.monotonic() + timeout
@@ -28,7 +31,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.005, most
         if value:
             return value
         time.sleep(pause)
-        pause = max(pause, min(most, pause * 1.5))
+        pause = max(pause, min(LONGEST_POLL_S, pause * 1.5))
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
@@ -58,6 +61,11 @@ def run_cli(
 def monitor_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``lossguard-monitor ARGS`` with its output captured."""
     return run_cli(*args, timeout=120, module="lossguard.monitor.cli")
+
+
+def ctl_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``lossguard-ctl ARGS``, as an operator does, with its output captured."""
+    return run_cli(*args, timeout=120, module="lossguard.ctl.cli")
 
 
 def start_agent(

@@ -27,7 +27,7 @@ from lossguard.common.config import ConfigError
 from lossguard.common.rundir.checkpoints import CheckpointError, read_meta
 from lossguard.common.rundir.files import sha256_file
 from tests.monitor.actions.test_live import actions_in, shipped_rule
-from tests.support.processes import REPO, run_cli, start_monitor, stop_process, wait_for
+from tests.support.processes import REPO, ctl_cli, run_cli, start_monitor, stop_process, wait_for
 from tests.support.runs import (
     events,
     json_lines,
@@ -146,9 +146,7 @@ def test_fsdp2_trains_and_writes_dcp_checkpoints_that_readers_list_unchanged(
     folder = reference / f"checkpoints/step_{STEPS:08d}"
     assert meta.files == {name: sha256_file(folder / name) for name in meta.files}
     # the torch-free reader: lossguard-ctl from disk, no agent answering
-    listed = run_cli(
-        "--run-dir", str(reference), "--json", "checkpoints", module="lossguard.ctl.cli"
-    )
+    listed = ctl_cli("--run-dir", str(reference), "--json", "checkpoints")
     assert listed.returncode == 0, listed.stderr
     names = [c["name"] for c in json.loads(listed.stdout)["checkpoints"]]
     assert names == [f"step_{s:08d}" for s in (4, 8, 12)]
@@ -385,9 +383,7 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor
             "the monitor's rollback",
         )
         wait_for(lambda: past(run_dir, rollback["from_step"] + 2), 60, "training on")
-        listed = run_cli(
-            "--run-dir", str(run_dir), "--json", "checkpoints", module="lossguard.ctl.cli"
-        )
+        listed = ctl_cli("--run-dir", str(run_dir), "--json", "checkpoints")
     finally:
         assert stop_process(monitor) == 0
         stop_process(agent)

@@ -7,8 +7,6 @@ import os
 import re
 import socket
 import stat
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +22,7 @@ from lossguard.common.control.protocol import MAX_LINE_BYTES
 from lossguard.common.control.server import answered_before
 from lossguard.common.exitcodes import EXIT_STOPPED
 from lossguard.common.rundir.directory import RunDirectory
-from tests.support.processes import start_agent, wait_for
+from tests.support.processes import ctl_cli, start_agent, wait_for
 from tests.support.runs import events, sliced_settings, write_config
 
 pytestmark = pytest.mark.live
@@ -266,46 +264,36 @@ def test_oversized_half_closed_slow_and_many_clients(agent: Agent) -> None:
     agent.stop()
 
 
-def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lossguard.ctl.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_lossguard_ctl_drives_a_live_run(agent: Agent) -> None:
     run_dir = str(agent.run_dir)
-    status = ctl("--run-dir", run_dir, "status")
+    status = ctl_cli("--run-dir", run_dir, "status")
     assert status.returncode == 0 and "tiny" in status.stdout
-    saved = ctl("--run-dir", run_dir, "save")
+    saved = ctl_cli("--run-dir", run_dir, "save")
     assert saved.returncode == 0 and saved.stdout.startswith("saved step_")
-    listing = ctl("--run-dir", run_dir, "--json", "checkpoints")
+    listing = ctl_cli("--run-dir", run_dir, "--json", "checkpoints")
     listed = json.loads(listing.stdout)["checkpoints"]
     names = [c["name"] for c in listed if not c["in_memory"]]  # beside snapshots in memory
     assert len(names) == 1 and names[0] in saved.stdout
     assert any(c["in_memory"] for c in listed)  # snapshots are listed too
-    back = ctl("--run-dir", run_dir, "--json", "rollback", names[0], "--skip-batches", "2")
+    back = ctl_cli("--run-dir", run_dir, "--json", "rollback", names[0], "--skip-batches", "2")
     assert back.returncode == 0, back.stderr
     result = json.loads(back.stdout)
     # the checkpoint's state: from disk, or from a snapshot of the same step where one is in
     # memory (the cheaper restore of the same state, docs/design.md "Checkpoints and snapshots")
     assert result["checkpoint"] in (names[0], f"memory/{names[0]}")
     assert result["skipped_batches"] == 2
-    refused = ctl("--run-dir", run_dir, "rollback", "../../etc")
+    refused = ctl_cli("--run-dir", run_dir, "rollback", "../../etc")
     assert refused.returncode == 2 and "never a path" in refused.stderr
-    missing = ctl("--run-dir", run_dir, "rollback", "999999")
+    missing = ctl_cli("--run-dir", run_dir, "rollback", "999999")
     assert missing.returncode == 1 and "not_found" in missing.stderr
-    assert ctl("--run-dir", run_dir, "pause").returncode == 0
-    assert json.loads(ctl("--run-dir", run_dir, "--json", "status").stdout)["paused"] is True
-    assert ctl("--run-dir", run_dir, "resume").returncode == 0
-    stopped = ctl("--run-dir", run_dir, "stop")
+    assert ctl_cli("--run-dir", run_dir, "pause").returncode == 0
+    assert json.loads(ctl_cli("--run-dir", run_dir, "--json", "status").stdout)["paused"] is True
+    assert ctl_cli("--run-dir", run_dir, "resume").returncode == 0
+    stopped = ctl_cli("--run-dir", run_dir, "stop")
     assert stopped.returncode == 0 and "stopping at step" in stopped.stdout
     agent.process.communicate(timeout=60)
     assert agent.process.returncode == EXIT_STOPPED
-    gone = ctl("--run-dir", run_dir, "status")
+    gone = ctl_cli("--run-dir", run_dir, "status")
     assert gone.returncode == 3
 
 

@@ -42,7 +42,7 @@ from lossguard.common.rundir.names import SOCKET_NAME
 from tests.support.drill_runs import same_collectives
 from tests.support.fsdp2_callbacks import NAN_FLAG, TinyLM, TokenData, gpt2
 from tests.support.integration_checks import scrape
-from tests.support.processes import REPO, free_port, run_cli, stop_process, wait_for
+from tests.support.processes import REPO, ctl_cli, free_port, stop_process, wait_for
 from tests.support.runs import events
 
 pytestmark = pytest.mark.live
@@ -153,7 +153,7 @@ def check_scenario(run_dir: Path, seen: dict[str, Any], scenario: str, tmp_path:
     meta = read_meta(checkpoint)
     assert meta.format == "dcp" and meta.extra["world_size"] == 2
     assert {"__0_0.distcp", "__1_0.distcp", "rank_0.pt", "rank_1.pt"} <= set(meta.files)
-    listed = run_cli("--run-dir", str(run_dir), "--json", "checkpoints", module="lossguard.ctl.cli")
+    listed = ctl_cli("--run-dir", str(run_dir), "--json", "checkpoints")
     assert listed.returncode == 0, listed.stderr
     assert saved["name"] in [c["name"] for c in json.loads(listed.stdout)["checkpoints"]]
     # the rollback: one collective restore, every rank at the save's step with its weights

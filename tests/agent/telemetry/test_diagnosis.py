@@ -4,8 +4,6 @@ rules on their own, then a live training run with a NaN that a rollback leaves b
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +21,7 @@ from lossguard.agent.telemetry.diagnosis import IntervalContext, diagnose
 from lossguard.common.control.client import ControlClient, ControlError
 from lossguard.common.control.protocol import ProtocolError, validate_args
 from lossguard.common.exitcodes import EXIT_STOPPED
-from tests.support.processes import start_agent, wait_for
+from tests.support.processes import ctl_cli, start_agent, wait_for
 from tests.support.runs import events, sliced_settings, write_config
 
 pytestmark = pytest.mark.live
@@ -254,16 +252,6 @@ def nan_run(tmp_path: Path, corpus_cache: Path) -> Iterator[NanRun]:
         run.process.communicate()
 
 
-def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lossguard.ctl.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def started(run: NanRun) -> bool:
     return (run.run_dir / "agent.json").exists() and (run.run_dir / "control.sock").exists()
 
@@ -286,7 +274,7 @@ def test_rollback_leaves_the_nan_behind_and_skips_exactly_its_batches(nan_run: N
     audit = [e for e in events(nan_run.run_dir) if e["event"] == "nonfinite"]
     assert [e["diagnosis"]["step"] for e in audit] == [NAN_STEP, NAN_STEP]  # loss, grad norm
 
-    back = ctl(
+    back = ctl_cli(
         "--run-dir",
         str(nan_run.run_dir),
         "--json",
