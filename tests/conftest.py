@@ -19,9 +19,12 @@ from tests.support.live_marker import (  # noqa: F401 (the live marker's hooks)
 )
 from tests.support.runs import sliced_settings, tiny_settings
 
-# One intra-op thread per test process: pytest-xdist runs one worker per core, and torch's
-# default (a thread per core in every worker) oversubscribes the cores several times over.
+# One intra-op thread per test process, and per process a test starts (they inherit the
+# variable: a supervisor's training, the README's commands): the workers and their processes
+# already outnumber the cores, and torch's default of a thread per core makes each spin-wait for
+# the others (a tiny run took twice the CPU with two threads on 2 busy cores).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Every Python process a test starts prints its threads' stacks on a fatal signal: one that
 # will not stop gets SIGABRT from stop_process and leaves where it hung in its log.

@@ -5,8 +5,8 @@ tests/support/rank_drill.py), exit codes as docs/exit-codes.md says.
 
 * The reported hang: a NaN on rank 1 only, then ``lossguard-ctl rollback last_good``.
 * The matrix: a NaN, a spike and a corrupt batch on one rank, one slow rank, each followed by a
-  rollback, the last with a save in flight; DDP and FSDP2, 2 and 4 ranks.
-* A stop command, SIGTERM and SIGUSR1 (on one rank) after a one-rank fault and its rollback.
+  rollback, the last with a save in flight; DDP and FSDP2, 2 and 4 ranks. Three of the four
+  runs then end by a stop command, SIGTERM or SIGUSR1 (on one rank), the fourth at its last step.
 * Rollbacks by the monitor's own rules (the built-in trainer, ``faults[].ranks``) and through
   the Alertmanager webhook, with the shipped monitor configs and rules.
 * A rank stuck in a collective its peers never enter: SIGTERM, and the timeout, end it with the
@@ -96,10 +96,22 @@ def ctl(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return ctl_cli("--run-dir", str(run_dir), *args)
 
 
-def matrix_plan(strategy: str, nproc: int) -> dict[str, Any]:
+# how a matrix run ends: on its own at step 80 (exit 0), or by a stop after its last rollback
+# at 74 (a command, or a signal to one rank), which every rank must meet at the same step
+ENDINGS: dict[str, tuple[dict[str, Any], int]] = {
+    "end": ({}, 0),
+    "stop": ({"commands": [{"at": 74, "cmd": "stop"}]}, 3),
+    "SIGTERM": ({"signals": [{"rank": 1, "at": 74, "signal": "SIGTERM"}]}, 3),
+    "SIGUSR1": ({"signals": [{"rank": 0, "at": 74, "signal": "SIGUSR1"}]}, 138),
+}
+
+
+def matrix_plan(strategy: str, nproc: int, ending: str) -> dict[str, Any]:
     """A NaN, a spike, a corrupt batch on one rank each, one slow rank (1 s steps), each met by
-    a rollback from rank 0's operator; the last one while a save is in flight."""
+    a rollback from rank 0's operator; the last one while a save is in flight; then the
+    ``ending``."""
     last = nproc - 1
+    stop = ENDINGS[ending][0]
     return {
         "strategy": strategy,
         "steps": 80,
@@ -120,48 +132,38 @@ def matrix_plan(strategy: str, nproc: int) -> dict[str, Any]:
             {"at": 55, "cmd": "rollback", "args": ROLLBACK},
             {"at": 65, "cmd": "save"},
             {"at": 65, "cmd": "rollback", "args": {"target": "latest"}},
+            *stop.get("commands", []),
         ],
+        "signals": stop.get("signals", []),
     }
 
 
 @pytest.mark.parametrize(
-    ("strategy", "nproc"), [("ddp", 2), ("fsdp2", 2), ("ddp", 4), ("fsdp2", 4)]
+    ("strategy", "nproc", "ending"),
+    [("ddp", 2, "stop"), ("fsdp2", 2, "SIGTERM"), ("ddp", 4, "SIGUSR1"), ("fsdp2", 4, "end")],
 )
-def test_faults_on_one_rank_then_rollbacks(tmp_path: Path, strategy: str, nproc: int) -> None:
+def test_faults_on_one_rank_then_rollbacks(
+    tmp_path: Path, strategy: str, nproc: int, ending: str
+) -> None:
+    """Each run ends its own way (``ENDINGS``): a stop after the faults and their rollbacks
+    (a command, or a signal to one rank) stops every rank at the same step, saved, with the
+    stop's exit code."""
     results = finish_drill(
-        start_drill(tmp_path, matrix_plan(strategy, nproc), nproc), tmp_path, nproc
+        start_drill(tmp_path, matrix_plan(strategy, nproc, ending), nproc), tmp_path, nproc
     )
-    assert_identical(results, 80, 0)
+    code = ENDINGS[ending][1]
+    if ending == "end":
+        assert_identical(results, 80, 0)
+    else:  # the stop is acted on at the step's boundary, or the next
+        assert 74 <= results[0]["step"] < 80, results[0]
+        assert_identical(results, results[0]["step"], code)
     answers = results[0]["answers"]
-    assert len(answers) == 5, answers
-    for answer in answers[:3] + answers[4:]:
+    assert len(answers) == 5 + (ending == "stop"), answers
+    for answer in answers[:3] + answers[4:5]:
         rolled_back(answer, nproc)
     assert answers[3]["name"].startswith("step_")  # the save the last rollback overtook
-
-
-STOPS = {
-    "stop": ({"commands": [{"at": 24, "cmd": "stop"}]}, 3),
-    "SIGTERM": ({"signals": [{"rank": 1, "at": 24, "signal": "SIGTERM"}]}, 3),
-    "SIGUSR1": ({"signals": [{"rank": 0, "at": 24, "signal": "SIGUSR1"}]}, 138),
-}
-
-
-@pytest.mark.parametrize("how", list(STOPS))
-def test_a_stop_after_a_one_rank_fault_stops_every_rank(tmp_path: Path, how: str) -> None:
-    """After a NaN on rank 1 and its rollback, a stop (a command, or a signal to one rank):
-    every rank saves at the same step and exits with the stop's code."""
-    stop, code = STOPS[how]
-    plan = {
-        "steps": 200,
-        "settings": {"train": {"log_every": 5}, "snapshot": {"every": 10}},
-        "faults": [{"kind": "nan", "ranks": [1], "step": 12}],
-        "commands": [{"at": 14, "cmd": "rollback", "args": ROLLBACK}, *stop.get("commands", [])],
-        "signals": stop.get("signals", []),
-    }
-    results = finish_drill(start_drill(tmp_path, plan), tmp_path)
-    assert 24 <= results[0]["step"] < 200
-    assert_identical(results, results[0]["step"], code)
-    rolled_back(results[0]["answers"][0], 2)
+    if ending == "stop":
+        assert answers[5]["checkpoint"] == f"step_{answers[5]['step']:08d}", answers[5]
 
 
 def test_chaos_short(tmp_path: Path) -> None:

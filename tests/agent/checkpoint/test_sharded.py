@@ -368,7 +368,10 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor
     )
     monitor = start_monitor(config)
     settings = sharded_settings(runs, corpus_cache)
-    settings["train"].update(max_steps=10**6, log_every=2)
+    # half the work a step (the reference run covers accumulation and the diagnostics): this
+    # run trains for as long as the monitor takes to act, then replays 50 steps
+    settings["train"].update(max_steps=10**6, log_every=2, grad_accum=1)
+    settings["telemetry"]["grad_diagnostics"] = {"enabled": False}
     settings["snapshot"] = {"every": 4}
     settings["faults"] = [
         # 45 NaNs in a row (gone on the replay): LossNonFinite 40 steps into them
