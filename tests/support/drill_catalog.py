@@ -40,6 +40,7 @@ BIG_SHIFT = 6.0  # one the demo's 25-std detector sees here (+3 is z 16: the win
 WEIGHTS_BLOWUP = 1e30  # one update at this lr multiple leaves every later loss non-finite
 STRETCH_STEPS = 1200  # a corrupt stretch: longer than LossSpikeNotRecovering's 300 steps + 1m
 STRETCH_STEP_S = 0.1  # at most 10 steps a second through it, so the 1m is 600 steps at most
+NOT_RECOVERING_STEPS = 300  # the shipped LossSpikeNotRecovering's episode length, then its 1m
 ONE_NAN_SLOW_STEPS = 40  # the detector's 20 steps back in band, and the next snapshot
 LASTING_NAN_STEPS = 200  # a lasting NaN, slowed to NAN_STEP_S: longer than the 30 s cooldown
 NAN_STEP_S = 0.2
@@ -448,6 +449,20 @@ def _declared_shift(knobs: Knobs) -> list[dict[str, Any]]:
     return [slow, lasting("loss_shift", knobs, amount=BIG_SHIFT)]
 
 
+def _diverging(knobs: Knobs) -> list[dict[str, Any]]:
+    """lr x1000 from the fault step on; from LossSpikeNotRecovering's 300 steps into the
+    episode, the steps of its 1m slowed to STRETCH_STEP_S (as slower steps than a tiny CPU
+    model's would be: the minute is waited out, not trained through at full speed)."""
+    slow = {
+        "kind": "slow_step",
+        "step": knobs.scale.fault_step + NOT_RECOVERING_STEPS,
+        "duration": 600,
+        "seconds": STRETCH_STEP_S,
+        "once": True,
+    }
+    return [lasting("lr_scale", knobs, factor=1000.0, once=True), slow]
+
+
 def _slow_divergence_deadline(knobs: Knobs) -> float:
     """Every attempt: LossSpikeNotRecovering's 300 steps at the slow step time and its 1m."""
     attempt = 300 * knobs.slow_step_s * 1.25 + 150
@@ -491,11 +506,12 @@ DRILLS: tuple[Drill, ...] = (
     ),
     Drill(
         "lr-x1000",
-        "lr x1000 from the fault step on (the run diverges)",
+        f"lr x1000 from the fault step on (the run diverges); {NOT_RECOVERING_STEPS} steps into "
+        f"the episode, steps slowed to {STRETCH_STEP_S:g} s for LossSpikeNotRecovering's 1m",
         Expected(
             "fixed", rollbacks=exactly(1), slack=exactly(1), pages=exactly(0), val_within=0.10
         ),
-        lambda knobs: [lasting("lr_scale", knobs, factor=1000.0, once=True)],
+        _diverging,
         stop=AnyOf((All((Rollbacks(1), Reached())), Reached(past_fault=UNNOTICED_STEPS))),
     ),
     Drill(
