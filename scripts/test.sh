@@ -30,6 +30,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     >"$apt_log" 2>&1 &
   apt_pid=$!
 fi
+# each module compiled to bytecode once for the whole run, not in every process the tests start
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
   cat "$apt_log" >&2
@@ -44,13 +46,12 @@ mypy_log=$(mktemp)
 logs+=("$mypy_log")
 .venv/bin/mypy >"$mypy_log" 2>&1 &
 mypy_pid=$!
-# three workers on 2 cores: a good part of the live tests' time is spent waiting on timers (the
-# shipped rules' `for:`, group_wait, slow steps), so a third worker keeps both cores busy; a
+# four workers on 2 cores: two take the files that mostly wait on timers (the shipped rules'
+# `for:`, group_wait, back-offs), in two lanes, while the other two keep both cores busy; a
 # whole file to a worker, so a module's shared run (a fixture) is made once; the files in the
-# order the suite gives them (live ones first: tests/support/live_marker.py), not xdist's
-# most-tests-first, which left the long live files for the end
+# order the suite gives them (tests/support/schedule.py), not xdist's most-tests-first
 status=0
-.venv/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder "$@" || status=$?
+.venv/bin/python -m pytest -n 4 --dist loadfile --no-loadscope-reorder "$@" || status=$?
 mypy_status=0
 wait "$mypy_pid" || mypy_status=$?
 cat "$mypy_log"

@@ -12,12 +12,13 @@ import torch
 
 from lossguard.agent.config import Config, parse_config
 from tests.support.live_marker import (  # noqa: F401 (the live marker's hooks)
-    pytest_collection_modifyitems,
     pytest_configure,
     pytest_runtest_protocol,
     pytest_runtest_teardown,
 )
 from tests.support.runs import sliced_settings, tiny_settings
+
+pytest_plugins = ["tests.support.schedule"]  # the order and grouping of scripts/test.sh's run
 
 # One intra-op thread per test process, and per process a test starts (they inherit the
 # variable: a supervisor's training, the README's commands): the workers and their processes

@@ -100,7 +100,11 @@ class Cluster:
     ) -> subprocess.Popen[bytes]:
         """A training run on ``host`` serving metrics and TCP control on the shared ports,
         announced to Prometheus by a file_sd file, as the sbatch script writes it;
-        ``supervised``: under lossguard-supervise, serving its TCP control too."""
+        ``supervised``: under lossguard-supervise, serving its TCP control too. Each step takes
+        at least 0.05 s (a later ``slow_step`` in ``faults`` wins): the runs wait on the
+        monitor, and need not take a core from the other tests meanwhile."""
+        throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.05}
+        sections["faults"] = [throttle, *sections.get("faults", [])]
         settings = tiny_settings(
             self.runs / host.namespace,
             self.corpus_cache,

@@ -179,10 +179,12 @@ def walkthrough_demo(settings: dict[str, Any], cache: Path) -> dict[str, Any]:
     on the tiny model and corpus slice of every other test (one file: no walk over the
     standard library at each start), with steps enough that a run started in the background
     is still training when the README's next commands drive it (it ends when the walkthrough
-    stops it)."""
+    stops it), and steps of at least 0.05 s: a run waiting on the next command need not take a
+    core from the other tests."""
     settings["model"].update(n_layer=2, n_head=2, n_embd=64, block_size=64)
     settings["data"].update(path=str(corpus_slice(cache)), cache_dir=str(cache))
     settings["train"].update(max_steps=1_000_000, eval_batches=2)
+    settings["faults"] = [{"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.05}]
     return settings
 
 

@@ -69,10 +69,3 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
             pytrace=False,
         )
     return result
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Live tests first, each module's in its order: the long ones start while every worker
-    has work, and the quick ones fill the end of the run instead of one worker finishing a
-    minute-long drill alone (scripts/test.sh keeps xdist from reordering the files)."""
-    items.sort(key=lambda item: item.get_closest_marker("live") is None)
