@@ -42,7 +42,7 @@ from tests.support.processes import (
     stop_process,
     wait_for,
 )
-from tests.support.runs import events, tiny_settings, write_config, write_monitor_config
+from tests.support.runs import events, throttle, tiny_settings, write_config, write_monitor_config
 
 SHIPPED_RULES = REPO / "alerts" / "lossguard.rules.yml"
 TOKEN_ENV = "LOSSGUARD_MONITOR_TOKEN"
@@ -113,7 +113,7 @@ DETECTION_FAULTS = [
     {"kind": "nonfinite_loss", "step": NAN_STEP, "once": True},
     # 100 ms steps from shortly before the NaN on: the next checkpoint (step 1000, which
     # would end the alert) is 48 s after it
-    {"kind": "slow_step", "step": NAN_STEP - 20, "duration": 10**8, "seconds": 0.1},
+    throttle(0.1, from_step=NAN_STEP - 20),
 ]
 DETECTION_TRAIN = {"max_steps": 10**7, "log_every": 1, "eval_every": 10**6}
 
@@ -224,7 +224,6 @@ def quality(work: Path, cache: Path, steps: int) -> dict[str, tuple[float, int]]
     step takes at least 50 ms, so that LossSpikeNotRecovering's ``for: 1m`` passes within the
     run's length."""
     train = {"max_steps": steps, "log_every": 10, "eval_every": steps // 4}
-    throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.05}
     at = steps // 4
     scenarios: dict[str, list[dict[str, Any]]] = {
         "fault-free": [],
@@ -237,7 +236,7 @@ def quality(work: Path, cache: Path, steps: int) -> dict[str, tuple[float, int]]
     for name, faults in scenarios.items():
         run_id = f"q{len(results)}"
         with monitored_agent(
-            work / run_id, cache, run_id, [*faults, throttle], train, checkpoint_every=200
+            work / run_id, cache, run_id, [*faults, throttle(0.05)], train, checkpoint_every=200
         ) as (
             run_dir,
             _,

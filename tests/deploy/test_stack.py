@@ -64,7 +64,7 @@ from tests.support.promserver import (
     running,
     web_config_flag,
 )
-from tests.support.runs import events, tiny_settings, write_config
+from tests.support.runs import events, throttle, tiny_settings, write_config
 from tests.support.webauth import WebAuth
 
 pytestmark = pytest.mark.live
@@ -171,9 +171,8 @@ def alertmanager_config(monitor_url: str, secrets: Path) -> dict[str, Any]:
 
 def agent_settings(runs: Path, cache: Path, run_id: str, **sections: Any) -> dict[str, Any]:
     """A tiny run, 0.1 s a step at least, exporting on a free port (named in agent.json)."""
-    throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.1}
     sections = {"checkpoint": {"every": 10, "keep_last": 10, "async_save": False}, **sections}
-    sections["faults"] = [throttle, *sections.get("faults", [])]
+    sections["faults"] = [throttle(0.1), *sections.get("faults", [])]
     return tiny_settings(
         runs,
         cache,
@@ -249,7 +248,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
             # slow_step wins), so that the monitor's scrape keeps up
             faults=[
                 {"kind": "nonfinite_loss", "step": NAN_STEP, "duration": 10**6, "once": True},
-                {"kind": "slow_step", "step": NAN_STEP - 2, "duration": 10**8, "seconds": 0.2},
+                throttle(0.2, from_step=NAN_STEP - 2),
             ],
         ),
         "fp16": agent_settings(

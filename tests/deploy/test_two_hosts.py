@@ -28,7 +28,7 @@ from lossguard.common.rundir.files import write_atomically
 from tests.support.netns import Host, hosts
 from tests.support.processes import REPO, free_port, stop_processes, supervisor_argv, wait_for
 from tests.support.promserver import prometheus
-from tests.support.runs import events, stalled_rules, tiny_settings, write_config
+from tests.support.runs import events, stalled_rules, throttle, tiny_settings, write_config
 
 pytestmark = pytest.mark.live
 
@@ -103,8 +103,7 @@ class Cluster:
         ``supervised``: under lossguard-supervise, serving its TCP control too. Each step takes
         at least 0.05 s (a later ``slow_step`` in ``faults`` wins): the runs wait on the
         monitor, and need not take a core from the other tests meanwhile."""
-        throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.05}
-        sections["faults"] = [throttle, *sections.get("faults", [])]
+        sections["faults"] = [throttle(0.05), *sections.get("faults", [])]
         settings = tiny_settings(
             self.runs / host.namespace,
             self.corpus_cache,

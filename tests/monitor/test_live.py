@@ -36,7 +36,13 @@ from tests.support.processes import (
     wait_for,
 )
 from tests.support.promserver import prometheus
-from tests.support.runs import alert_events, tiny_settings, write_config, write_monitor_config
+from tests.support.runs import (
+    alert_events,
+    throttle,
+    tiny_settings,
+    write_config,
+    write_monitor_config,
+)
 
 pytestmark = pytest.mark.live
 
@@ -112,10 +118,10 @@ def test_faults_fire_and_resolve_in_the_monitor_as_in_prometheus(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
     runs = tmp_path / "runs"
-    throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.03}
+    slow = throttle(0.03)
     faults = {
-        "nan": [{"kind": "nonfinite_loss", "step": 60, "duration": 10**6, "once": True}, throttle],
-        "victim": [throttle],
+        "nan": [{"kind": "nonfinite_loss", "step": 60, "duration": 10**6, "once": True}, slow],
+        "victim": [slow],
     }
     ports = {run_id: free_port() for run_id in faults}
     urls = {run_id: f"http://127.0.0.1:{port}/metrics" for run_id, port in ports.items()}

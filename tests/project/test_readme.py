@@ -22,7 +22,7 @@ import yaml
 
 from lossguard.common.exitcodes import EXIT_COMPLETED, EXIT_STOPPED
 from tests.support.processes import REPO, stop_process, wait_for
-from tests.support.runs import corpus_slice
+from tests.support.runs import corpus_slice, throttle
 
 pytestmark = pytest.mark.live
 
@@ -184,7 +184,7 @@ def walkthrough_demo(settings: dict[str, Any], cache: Path) -> dict[str, Any]:
     settings["model"].update(n_layer=2, n_head=2, n_embd=64, block_size=64)
     settings["data"].update(path=str(corpus_slice(cache)), cache_dir=str(cache))
     settings["train"].update(max_steps=1_000_000, eval_batches=2)
-    settings["faults"] = [{"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.05}]
+    settings["faults"] = [throttle(0.05)]
     return settings
 
 

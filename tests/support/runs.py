@@ -40,6 +40,13 @@ def tiny_settings(runs: Path, cache: Path, **sections: Any) -> dict[str, Any]:
     return data
 
 
+def throttle(seconds: float, from_step: int = 1) -> dict[str, Any]:
+    """A ``slow_step`` fault: every step from ``from_step`` on takes at least ``seconds``, so a
+    run that waits on other processes does not take a core meanwhile (the last ``slow_step``
+    in a run's faults wins)."""
+    return {"kind": "slow_step", "step": from_step, "duration": 10**8, "seconds": seconds}
+
+
 def write_config(path: Path, settings: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(settings))
     return path

@@ -33,6 +33,7 @@ from tests.support.runs import (
     json_lines,
     sliced_settings,
     step_records,
+    throttle,
     write_config,
     write_monitor_config,
 )
@@ -376,7 +377,7 @@ def test_a_nan_on_an_fsdp2_run_is_rolled_back_from_memory_by_the_shipped_monitor
     settings["faults"] = [
         # 45 NaNs in a row (gone on the replay): LossNonFinite 40 steps into them
         {"kind": "nonfinite_loss", "step": 10, "duration": 45, "once": True},
-        {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.1},
+        throttle(0.1),
     ]
     agent = torchrun(2, write_config(tmp_path / "c.yaml", settings))
     try:

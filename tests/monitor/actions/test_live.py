@@ -37,7 +37,14 @@ from tests.support.processes import (
     stop_processes,
     wait_for,
 )
-from tests.support.runs import events, last_step, tiny_settings, write_config, write_monitor_config
+from tests.support.runs import (
+    events,
+    last_step,
+    throttle,
+    tiny_settings,
+    write_config,
+    write_monitor_config,
+)
 
 pytestmark = pytest.mark.live
 
@@ -64,7 +71,6 @@ def agent_settings(
 ) -> dict[str, Any]:
     """A run checkpointing every 50 steps, each step from ``slow_from`` on taking at least
     ``step_s``."""
-    throttle = {"kind": "slow_step", "step": slow_from, "duration": 10**8, "seconds": step_s}
     return tiny_settings(
         runs,
         cache,
@@ -72,7 +78,7 @@ def agent_settings(
         train={"max_steps": 10**7, "log_every": 5, "eval_every": 10**6},
         telemetry={"port": free_port()},
         checkpoint={"every": 50, "keep_last": 10, "async_save": False},
-        faults=[fault, throttle],
+        faults=[fault, throttle(step_s, from_step=slow_from)],
     )
 
 

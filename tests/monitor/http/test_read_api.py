@@ -22,7 +22,7 @@ from lossguard.common.rundir.checkpoints import list_checkpoints
 from lossguard.common.rundir.supervisor_file import SupervisorInfo
 from tests.support.processes import free_port, start_agent, start_monitor, stop_process, wait_for
 from tests.support.promserver import ExpositionServer
-from tests.support.runs import events, tiny_settings, write_config, write_monitor_config
+from tests.support.runs import events, throttle, tiny_settings, write_config, write_monitor_config
 
 pytestmark = pytest.mark.live
 
@@ -73,7 +73,6 @@ def write_run(runs: Path, run_id: str, **changes: Any) -> Path:
 def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("api")
     runs = tmp / "runs"
-    throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.02}
     settings = tiny_settings(
         runs,
         corpus_cache,
@@ -81,7 +80,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Itera
         train={"max_steps": 10**7, "log_every": 5, "eval_every": 10},
         telemetry={"port": free_port()},
         checkpoint={"every": 10, "keep_last": 3, "async_save": False},
-        faults=[throttle],
+        faults=[throttle(0.02)],
     )
     agent = start_agent(write_config(tmp / "live.yaml", settings))
     finished = subprocess.run(

@@ -25,7 +25,7 @@ from tests.support.processes import (
     stop_processes,
     wait_for,
 )
-from tests.support.runs import tiny_settings, write_config, write_monitor_config
+from tests.support.runs import throttle, tiny_settings, write_config, write_monitor_config
 
 pytestmark = pytest.mark.live
 
@@ -92,14 +92,13 @@ def test_a_nan_pages_slack_and_pagerduty_then_resolves_in_both(
         )
         secrets = {"LG_TEST_SLACK_URL": slack.webhook_url, "LG_TEST_PD_KEY": pager.routing_key}
         monitor = start_monitor(config, env=secrets)
-        throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.03}
         agent_settings = tiny_settings(
             runs,
             corpus_cache,
             run={"id": "nanrun"},
             train={"max_steps": 10**7, "log_every": 5, "eval_every": 10**6},
             telemetry={"port": free_port()},
-            faults=[{"kind": "nonfinite_loss", "step": 40, "duration": 2}, throttle],
+            faults=[{"kind": "nonfinite_loss", "step": 40, "duration": 2}, throttle(0.03)],
         )
         agent = start_agent(write_config(tmp_path / "agent.yaml", agent_settings))
         try:

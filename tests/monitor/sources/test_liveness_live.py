@@ -29,7 +29,13 @@ from tests.support.processes import (
     stop_process,
     wait_for,
 )
-from tests.support.runs import alert_events, tiny_settings, write_config, write_monitor_config
+from tests.support.runs import (
+    alert_events,
+    throttle,
+    tiny_settings,
+    write_config,
+    write_monitor_config,
+)
 
 pytestmark = pytest.mark.live
 
@@ -74,7 +80,6 @@ def test_a_killed_agent_pages_training_process_died_and_not_agent_down(
     tmp_path: Path, corpus_cache: Path
 ) -> None:
     runs = tmp_path / "runs"
-    throttle = {"kind": "slow_step", "step": 1, "duration": 10**8, "seconds": 0.02}
     settings = tiny_settings(
         runs,
         corpus_cache,
@@ -82,7 +87,7 @@ def test_a_killed_agent_pages_training_process_died_and_not_agent_down(
         train={"max_steps": 10**7, "log_every": 5, "eval_every": 10**6},
         telemetry={"port": free_port()},
         checkpoint={"every": 10, "keep_last": 3, "async_save": False},
-        faults=[throttle],
+        faults=[throttle(0.02)],
     )
     console: dict[str, Any] = {
         "receivers": [{"name": "console", "log_configs": [{}]}],
